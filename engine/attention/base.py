@@ -1,0 +1,37 @@
+"""The attention backend interface: one object per ModelRunner, metadata built once per step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.memory import KVPool
+
+
+class AttentionBackend(ABC):
+    """Writes the step's new K/V into the pool and attends over each row's slots.
+
+    `forward` takes q [T, num_heads * head_dim] and k, v [T, num_kv_heads * head_dim] for the new
+    tokens of the batch and returns [T, num_heads * head_dim]. Row i's new tokens attend causally
+    to the row's `seq_lens[i]` tokens, whose slots are `req_to_token[req_pool_indices[i], :seq_len]`.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scaling: float):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Build the step's index tensors once; every layer reuses them."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch) -> torch.Tensor:
+        """Store k/v at `fb.out_cache_loc` for `layer_id`, then attend."""

@@ -1,0 +1,153 @@
+"""Frozen, layered configuration: model -> cache -> scheduler -> engine.
+
+Every "auto" value is resolved once, in `EngineConfig.resolve`; nobody mutates config later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"config.json field 'architectures' = {archs!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "vocab_size"):
+            if key not in cfg:
+                raise ValueError(f"config.json is missing required field '{key}'")
+        num_heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_scaling`.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_path(cls, model_path: str) -> ModelConfig:
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"no config.json in model_path {model_path!r}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "float32"
+    device: str = "auto"
+    max_total_tokens: int | None = None
+    page_size: int = 1
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    schedule_policy: str = "lpm"
+    attention_backend: str = "auto"
+    enable_prefix_cache: bool = True
+    seed: int = 0
+    deterministic: bool = False
+    mem_fraction: float = 0.3
+    context_length: int | None = None
+    weight_update_timeout_s: float = 300.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, model: ModelConfig) -> EngineConfig:
+        """Resolve every "auto" and validate; returns a new config."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = _auto_attention_backend(device)
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        context = self.context_length or model.max_position_embeddings
+        return replace(self, device=device, dtype=dtype, attention_backend=backend,
+                       context_length=context)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _auto_attention_backend(device: str) -> str:
+    if device != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "flashinfer"

@@ -1,0 +1,86 @@
+"""The flat batch one model forward runs over.
+
+Rows are requests; each row contributes `extend_seq_lens[i]` new tokens (1 for a decode row),
+laid out contiguously in the flat token tensors, in row order. A row with a non-zero
+`extend_prefix_lens[i]` already has that many tokens' KV in the pool (a cached prefix or earlier
+chunks/decode steps); its new tokens attend to prefix + themselves, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"  # at least one row has more than one new token (prefill, chunk, mixed)
+    DECODE = "decode"  # every row has exactly one new token
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot each new token is written to
+    req_pool_indices: torch.Tensor  # [B] int64: rows of the req-to-token table
+    seq_lens: torch.Tensor  # [B] int64: prefix + new tokens after this step
+    extend_prefix_lens: torch.Tensor  # [B] int64
+    extend_seq_lens: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [R] int64: flat token rows whose logits are wanted
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    attn_backend: Any = field(default=None, repr=False)  # set by the ModelRunner
+    attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: list[int],
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        logits_indices: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Build a batch from per-row lists; positions follow from prefix/extend lengths.
+
+        `logits_indices` defaults to the last new token of every row.
+        """
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+        if logits_indices is None:
+            ends = torch.tensor(extend_lens).cumsum(0) - 1
+            logits_indices = ends.tolist()
+        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+
+        def as_tensor(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            mode=mode,
+            input_ids=as_tensor(input_ids),
+            positions=positions.to(device),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            req_pool_indices=as_tensor(req_pool_indices),
+            seq_lens=as_tensor(seq_lens),
+            extend_prefix_lens=as_tensor(prefix_lens),
+            extend_seq_lens=as_tensor(extend_lens),
+            logits_indices=as_tensor(logits_indices),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(prefix_lens),
+            extend_seq_lens_cpu=list(extend_lens),
+        )

@@ -1,0 +1,61 @@
+"""Rotary position embedding (half-rotation layout, as HF Llama/Qwen) with a cos/sin cache."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"config.json rope_scaling type {kind!r} is not supported "
+                     "(supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None):
+        super().__init__()
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.head_dim = head_dim
+        # Plain attributes, not buffers: the cache stays float32 whatever dtype the model takes.
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D]; rotated in float32, returned in the input dtype."""
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.to(torch.float32), sin.to(torch.float32)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

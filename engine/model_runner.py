@@ -1,0 +1,69 @@
+"""ModelRunner: owns the model weights, the KV memory and the attention backend; runs one forward.
+
+It knows nothing of requests or scheduling: it takes a ForwardBatch and returns logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hotswap.engine.attention import get_backend_class
+from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from hotswap.engine.models import build_model
+from hotswap.engine.models.loader import load_checkpoint
+
+# Without a stated pool size on CPU, never take more than this many tokens by default.
+_CPU_DEFAULT_MAX_TOKENS = 262_144
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        torch.manual_seed(config.seed)
+        with torch.device("meta"):  # no random init: every parameter is loaded below
+            model = build_model(model_config, config.context_length)
+        self.model = model.to_empty(device=self.device).to(self.dtype)
+        self.model.eval().requires_grad_(False)
+        load_checkpoint(self.model, config.model_path)
+        self.weight_map = self.model.hf_weight_map()
+
+        page_size = config.page_size
+        num_pages = self._num_kv_tokens() // page_size
+        if num_pages < 2:
+            raise ValueError("max_total_tokens leaves fewer than two KV pages")
+        self.kv_pool = KVPool(num_pages, page_size, model_config.num_layers,
+                              model_config.num_kv_heads, model_config.head_dim, self.dtype,
+                              self.device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, page_size)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 1,
+                                                config.context_length + 1, self.device)
+        backend_cls = get_backend_class(config.attention_backend)
+        self.attn_backend = backend_cls(
+            self.kv_pool, self.req_to_token_pool.req_to_token, model_config.num_heads,
+            model_config.num_kv_heads, model_config.head_dim, model_config.head_dim ** -0.5)
+
+    def _num_kv_tokens(self) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        per_token = (2 * self.model_config.num_layers * self.model_config.kv_size
+                     * self.dtype.itemsize)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.mem_fraction) // per_token
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(int(available * self.config.mem_fraction) // per_token,
+                   _CPU_DEFAULT_MAX_TOKENS)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [len(fb.logits_indices), vocab]."""
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)

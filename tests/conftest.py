@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random HF checkpoints (Llama, Qwen2, Qwen3) written to disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    eos_token_id=2,
+    bos_token_id=1,
+)
+
+
+def make_hf_config(arch: str, **overrides):
+    import transformers
+
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False,
+                                       rope_theta=10000.0)
+    elif arch == "llama3-rope":
+        cfg = transformers.LlamaConfig(
+            **TINY_COMMON, tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def write_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
+    """Write a random HF model of the given family to `path`; returns the path."""
+    import transformers
+
+    cfg = make_hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights give logits with real spread
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3-rope", "qwen2", "qwen3"])
+def tiny_model_path(request, tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama")
