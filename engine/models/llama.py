@@ -1,0 +1,159 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2 with q/k/v bias, Qwen3 with q/k RMSNorm).
+
+q/k/v and gate/up are fused into one parameter each; `hf_weight_map` tells the loader and the
+weight-update path which slice of which parameter every Hugging Face checkpoint name lands in.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.engine.config import ModelConfig
+from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.layers.norm import RMSNorm
+from hotswap.engine.layers.rotary import RotaryEmbedding
+
+
+class WeightSlot(NamedTuple):
+    """Rows [start, end) of `param` hold one HF tensor."""
+
+    param: torch.Tensor
+    start: int
+    end: int
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.param.data[self.start: self.end]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.rotary = rotary
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = fb.attn_backend.forward(q.reshape(-1, cfg.q_size), k.reshape(-1, cfg.kv_size),
+                                    v.contiguous(), self.layer_id, fb)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            x = layer(fb.positions, x, fb)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, max_positions)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [len(fb.logits_indices), vocab] for the rows that sample."""
+        hidden = self.model(fb)[fb.logits_indices]
+        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+
+    def hf_weight_map(self) -> dict[str, WeightSlot]:
+        """Every HF checkpoint name this model takes, mapped to where it lands."""
+        cfg = self.cfg
+        out: dict[str, WeightSlot] = {}
+
+        def whole(name: str, param: torch.Tensor) -> None:
+            out[name] = WeightSlot(param, 0, param.shape[0])
+
+        def split(prefix: str, param: torch.Tensor, parts: list[tuple[str, int]], kind: str
+                  ) -> None:
+            start = 0
+            for part, size in parts:
+                out[f"{prefix}.{part}.{kind}"] = WeightSlot(param, start, start + size)
+                start += size
+
+        whole("model.embed_tokens.weight", self.model.embed_tokens.weight)
+        whole("model.norm.weight", self.model.norm.weight)
+        whole("lm_head.weight", self.lm_head_weight)
+        qkv = [("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)]
+        gate_up = [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)]
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            attn = layer.self_attn
+            split(f"{p}.self_attn", attn.qkv_proj.weight, qkv, "weight")
+            if cfg.qkv_bias:
+                split(f"{p}.self_attn", attn.qkv_proj.bias, qkv, "bias")
+            whole(f"{p}.self_attn.o_proj.weight", attn.o_proj.weight)
+            if cfg.qk_norm:
+                whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
+                whole(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+            split(f"{p}.mlp", layer.mlp.gate_up_proj.weight, gate_up, "weight")
+            whole(f"{p}.mlp.down_proj.weight", layer.mlp.down_proj.weight)
+            whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
+            whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        return out
+
+    def required_weight_names(self) -> set[str]:
+        """Names a full checkpoint must provide (a tied lm_head may be omitted)."""
+        names = set(self.hf_weight_map())
+        if self.cfg.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names

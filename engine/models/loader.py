@@ -1,0 +1,89 @@
+"""Reads HF safetensors checkpoints (single file or sharded index) into a model by HF names.
+
+Everything is validated (names, shapes, dtypes) before any parameter is written, so a bad
+checkpoint fails with a message naming the tensor and leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+
+from hotswap.engine.models.llama import WeightSlot
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+# Buffers some checkpoints carry that the runtime recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_path!r}")
+
+
+def read_checkpoint_meta(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor, without reading the data."""
+    meta = {}
+    for path in checkpoint_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                meta[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), None))
+    return meta
+
+
+def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def check_weights(weight_map: Mapping[str, WeightSlot],
+                  meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+                  required: Iterable[str] = ()) -> None:
+    """Raise ValueError naming every unknown, missing, misshapen or non-float tensor."""
+    problems = []
+    for name, (shape, dtype) in meta.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        slot = weight_map.get(name)
+        if slot is None:
+            problems.append(f"unexpected tensor '{name}' (not a parameter of this model)")
+        elif tuple(shape) != tuple(slot.view.shape):
+            problems.append(f"tensor '{name}' has shape {tuple(shape)}, "
+                            f"expected {tuple(slot.view.shape)}")
+        elif dtype not in FLOAT_DTYPES:
+            problems.append(f"tensor '{name}' has dtype {dtype}, expected a floating dtype "
+                            f"({', '.join(str(d) for d in FLOAT_DTYPES)})")
+    missing = sorted(set(required) - set(meta))
+    if missing:
+        shown = ", ".join(f"'{n}'" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        problems.append(f"missing tensor(s) {shown}{more}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def load_checkpoint(model: torch.nn.Module, model_path: str) -> None:
+    """Validate the checkpoint against the model, then copy every tensor into place."""
+    weight_map = model.hf_weight_map()
+    check_weights(weight_map, read_checkpoint_meta(model_path), model.required_weight_names())
+    with torch.no_grad():
+        for name, tensor in iter_checkpoint(model_path):
+            if not name.endswith(_IGNORED_SUFFIXES):
+                weight_map[name].view.copy_(tensor)
