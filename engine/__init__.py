@@ -1,0 +1,20 @@
+"""hotswap.engine: the rollout engine (Engine in-process, RemoteEngine over HTTP)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Engine", "RemoteEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import hotswap.engine.config` must not pull in torch models or HTTP clients.
+    if name == "Engine":
+        from hotswap.engine.engine import Engine
+
+        return Engine
+    if name == "RemoteEngine":
+        from hotswap.engine.remote import RemoteEngine
+
+        return RemoteEngine
+    raise AttributeError(name)

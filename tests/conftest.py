@@ -68,3 +68,38 @@ def tiny_model_path(request, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory) -> str:
     return write_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama")
+
+
+REAL_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "models", "smollm2-135m-instruct")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> str:
+    """The converted SmolLM2-135M-Instruct folder (made by `make model`)."""
+    from hotswap.engine.models.fetch import ensure_model
+
+    return ensure_model(REAL_MODEL_DIR)
+
+
+def write_tiny_chat_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """A tiny random model with SmolLM2's real tokenizer and chat template (vocab 49152)."""
+    import shutil
+
+    from hotswap.engine.models.fetch import ensure_model
+
+    src = ensure_model(REAL_MODEL_DIR)
+    overrides.setdefault("vocab_size", 49152)
+    overrides.setdefault("max_position_embeddings", 2048)
+    write_tiny_model(path, arch, seed=seed, **overrides)
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(path, name))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_path(tmp_path_factory) -> str:
+    return write_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))

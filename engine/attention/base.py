@@ -15,7 +15,8 @@ class AttentionBackend(ABC):
 
     `forward` takes q [T, num_heads * head_dim] and k, v [T, num_kv_heads * head_dim] for the new
     tokens of the batch and returns [T, num_heads * head_dim]. Row i's new tokens attend causally
-    to the row's `seq_lens[i]` tokens, whose slots are `req_to_token[req_pool_indices[i], :seq_len]`.
+    to the row's `seq_lens[i]` tokens, whose slots are
+    `req_to_token[req_pool_indices[i], :seq_len]`.
     """
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_heads: int,

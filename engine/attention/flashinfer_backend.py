@@ -21,7 +21,8 @@ from hotswap.engine.forward_batch import ForwardBatch, ForwardMode
 from hotswap.engine.memory import KVPool
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-UNAVAILABLE = "flashinfer backend needs CUDA and the flashinfer package; use attention_backend='torch'"
+UNAVAILABLE = ("flashinfer backend needs CUDA and the flashinfer package; "
+               "use attention_backend='torch'")
 # The CUDA-core decode kernel is compiled for groups of up to 4 query heads per KV head (and a
 # few larger ones); wider groups run faster on the tensor-core path anyway.
 MAX_CUDA_CORE_GQA_GROUP = 4

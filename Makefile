@@ -1,0 +1,38 @@
+# hotswap: make setup | model | demo | test | bench | lint
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch by default; GPU users install their CUDA torch into the venv first.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup model demo test test-fast bench bench-weight-sync lint
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip show torch >/dev/null 2>&1 || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+model: setup
+	$(BIN)/python -m hotswap.engine.models.fetch
+
+demo: model
+	$(BIN)/python examples/rl_loop.py
+
+test: model
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+
+bench: model
+	$(BIN)/python bench/throughput.py
+
+bench-weight-sync: model
+	$(BIN)/python bench/weight_sync.py
+
+lint: setup
+	$(BIN)/ruff check .

@@ -1,0 +1,316 @@
+"""Engine: the in-process API (API.md section 1) over the scheduler thread."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import queue
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.model_runner import ModelRunner
+from hotswap.engine.output import OutputProcessor
+from hotswap.engine.request import Req
+from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.scheduler import Scheduler
+from hotswap.engine.weight_manager import WeightManager
+
+_GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
+_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Engine:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
+                 max_total_tokens: int | None = None, page_size: int = 1,
+                 max_running_requests: int = 256, chunked_prefill_size: int = 2048,
+                 schedule_policy: str = "lpm", attention_backend: str = "auto",
+                 enable_prefix_cache: bool = True, seed: int = 0, deterministic: bool = False,
+                 **kwargs: Any):
+        model_config = ModelConfig.from_path(model_path)
+        self.config = EngineConfig(
+            model_path=model_path, dtype=dtype, device=device, max_total_tokens=max_total_tokens,
+            page_size=page_size, max_running_requests=max_running_requests,
+            chunked_prefill_size=chunked_prefill_size, schedule_policy=schedule_policy,
+            attention_backend=attention_backend, enable_prefix_cache=enable_prefix_cache,
+            seed=seed, deterministic=deterministic, **kwargs).resolve(model_config)
+        self.model_config = model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.runner = ModelRunner(self.config, model_config)
+        self.weights = WeightManager(self.runner)
+        self.outputs = OutputProcessor(self.tokenizer, self._eos_ids(),
+                                       self.config.context_length)
+        self.scheduler = Scheduler(self.config, self.runner, self.outputs,
+                                   lambda: self.weights.version)
+        self.weights.attach(self.scheduler)
+        self.scheduler.start()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_path = os.path.join(self.config.model_path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return ids
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.weights.close()
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict] | list[list[dict]] | None = None,
+                 sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
+                 cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
+                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+        """Outputs in the order given, samples of a prompt adjacent; a dict for one prompt, n=1."""
+        reqs, single = self._make_requests(prompt, input_ids, messages, sampling_params,
+                                           return_logprob, top_logprobs_num, lora_name,
+                                           cache_salt, rid, stream)
+        events: queue.Queue[dict] = queue.Queue()
+        for req in reqs:
+            req.sink = events.put
+        self.scheduler.submit(reqs)
+        if stream:
+            return self._stream(reqs, events.get)
+        finals = {}
+        while len(finals) < len(reqs):
+            out = events.get()
+            finals[out["meta_info"]["id"]] = out
+        outs = [finals[r.rid] for r in reqs]
+        return outs[0] if single else outs
+
+    def _stream(self, reqs: list[Req], get: Callable[[], dict]) -> Iterator[dict]:
+        done = 0
+        try:
+            while done < len(reqs):
+                event = get()
+                done += event["meta_info"]["finish_reason"] is not None
+                yield event
+        finally:
+            for req in reqs:
+                if not req.finished:
+                    self.abort_request(req.rid)
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None,
+                             messages: list[dict] | list[list[dict]] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             return_logprob: bool = False, top_logprobs_num: int = 0,
+                             lora_name: str | list[str] | None = None,
+                             cache_salt: str | list[str] | None = None,
+                             rid: str | list[str] | None = None,
+                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+        reqs, single = self._make_requests(prompt, input_ids, messages, sampling_params,
+                                           return_logprob, top_logprobs_num, lora_name,
+                                           cache_salt, rid, stream)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict] = asyncio.Queue()
+        for req in reqs:
+            req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        self.scheduler.submit(reqs)
+        if stream:
+            return self._astream(reqs, events)
+        finals = {}
+        try:
+            while len(finals) < len(reqs):
+                out = await events.get()
+                finals[out["meta_info"]["id"]] = out
+        finally:
+            for req in reqs:
+                if not req.finished:
+                    self.abort_request(req.rid)
+        outs = [finals[r.rid] for r in reqs]
+        return outs[0] if single else outs
+
+    async def _astream(self, reqs: list[Req], events: asyncio.Queue) -> AsyncIterator[dict]:
+        done = 0
+        try:
+            while done < len(reqs):
+                event = await events.get()
+                done += event["meta_info"]["finish_reason"] is not None
+                yield event
+        finally:
+            for req in reqs:
+                if not req.finished:
+                    self.abort_request(req.rid)
+
+    def _make_requests(self, prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
+                       return_logprob: bool, top_logprobs_num: int, lora_name: Any,
+                       cache_salt: Any, rid: Any, stream: bool) -> tuple[list[Req], bool]:
+        """Validate and tokenize everything first: a bad input raises before anything runs."""
+        self.weights.check_servable()
+        prompts, single = self._prompt_ids(prompt, input_ids, messages)
+        count = len(prompts)
+        params = _per_prompt(sampling_params, count, "sampling_params", dict)
+        salts = _per_prompt(cache_salt, count, "cache_salt", str)
+        loras = _per_prompt(lora_name, count, "lora_name", str)
+        rids = _per_prompt(rid, count, "rid", str)
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
+            raise ValueError("top_logprobs_num must be an integer in [0, 100]")
+        if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
+            raise ValueError("rid values must be unique")
+        reqs = []
+        for ids, p, salt, lora, r in zip(prompts, params, salts, loras, rids):
+            sp = SamplingParams.from_dict(p)
+            self._check_request(ids, sp, lora)
+            base = r or uuid.uuid4().hex
+            for k in range(sp.n):
+                reqs.append(Req(
+                    rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
+                    params=_sample_params(sp, k), return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num, cache_salt=salt, stream=stream,
+                    created=time.perf_counter()))
+        return reqs, single and len(reqs) == 1
+
+    def _prompt_ids(self, prompt: Any, input_ids: Any, messages: Any
+                    ) -> tuple[list[list[int]], bool]:
+        given = [x is not None for x in (prompt, input_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, input_ids, messages")
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return [self._encode(prompt)], True
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                return [self._encode(p) for p in prompt], False
+            raise ValueError("prompt must be a non-empty str or a non-empty list of str")
+        if input_ids is not None:
+            if isinstance(input_ids, list) and input_ids and all(
+                    isinstance(t, int) for t in input_ids):
+                return [list(input_ids)], True
+            if isinstance(input_ids, list) and input_ids and all(
+                    isinstance(x, list) and all(isinstance(t, int) for t in x)
+                    for x in input_ids):
+                return [list(x) for x in input_ids], False
+            raise ValueError("input_ids must be a non-empty list of int or a list of such lists")
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            return [self._chat(messages)], True
+        if isinstance(messages, list) and messages and all(
+                isinstance(c, list) and c and all(isinstance(m, dict) for m in c)
+                for c in messages):
+            return [self._chat(c) for c in messages], False
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, "
+                         "or a list of such lists")
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise ValueError("prompt is empty")
+        return self.tokenizer.encode(text)
+
+    def _chat(self, conversation: list[dict]) -> list[int]:
+        for m in conversation:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each message needs a string 'role' and a string 'content'")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template; use prompt=")
+        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
+                                                 add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _check_request(self, ids: list[int], sp: SamplingParams, lora: str | None) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        context = self.config.context_length
+        if len(ids) >= context:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {context}")
+        if len(ids) + 1 > self.runner.allocator.size:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
+                             f"{self.runner.allocator.size}")
+        if lora is not None:
+            raise ValueError(f"lora_name {lora!r}: no LoRA adapter is loaded")
+        for key in _GRAMMAR_KEYS:
+            if getattr(sp, key) is not None:
+                raise ValueError(f"sampling param '{key}': grammar-constrained decoding is not "
+                                 "available in this build")
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self.scheduler.abort(rid, abort_all)
+
+    def pause_generation(self, mode: str = "retract") -> dict:
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"mode must be one of {_PAUSE_MODES}, got {mode!r}")
+        return self.scheduler.call(lambda: self.weights.pause(mode)).result()
+
+    def continue_generation(self) -> dict:
+        return self.scheduler.call(self.weights.resume).result()
+
+    def flush_cache(self, timeout_s: float | None = None) -> dict:
+        return self.weights.flush_cache(timeout_s)
+
+    def get_weight_version(self) -> str:
+        return self.weights.version
+
+    def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
+                                   flush_cache: bool = True, pause_mode: str = "retract") -> dict:
+        """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine."""
+        return self.weights.update_from_tensor(named_tensors, weight_version, flush_cache,
+                                               pause_mode)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 flush_cache: bool = True, pause_mode: str = "retract") -> dict:
+        return self.weights.update_from_disk(model_path, weight_version, flush_cache, pause_mode)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "auto") -> dict:
+        return self.weights.init_group(master_address, master_port, rank_offset, world_size,
+                                       group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: str | None = None,
+                                        flush_cache: bool = True, pause_mode: str = "retract",
+                                        load_format: str | None = None) -> dict:
+        return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
+                                                    weight_version, flush_cache, pause_mode,
+                                                    load_format)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.weights.destroy_group(group_name)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self.weights.get_weights_by_name(name, truncate_size)
+
+    def check_integrity(self) -> None:
+        """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
+        self.scheduler.call(self.scheduler.check_integrity).result()
+
+    def get_server_info(self) -> dict:
+        return {"stats": dict(self.scheduler.stats), "weight_version": self.weights.version,
+                "kv_pool_tokens": self.runner.allocator.size}
+
+
+def _sample_params(sp: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples gets its own seed, derived from the request's."""
+    if sp.seed is None or sp.n == 1:
+        return sp
+    return dataclasses.replace(sp, seed=(sp.seed * 1_000_003 + k) % (1 << 63))
+
+
+def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if isinstance(value, list) and len(value) == count and all(
+            v is None or isinstance(v, kind) for v in value):
+        return list(value)
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")

@@ -1,0 +1,104 @@
+"""Request-level KV bookkeeping over the allocator, the req-to-token table and the radix cache.
+
+A running Req's `kv_slots` hold the slot of every token whose KV is computed. The first
+`tree_prefix_len` of them belong to the radix tree and are pinned by a lock on `last_node`; the
+rest belong to the request and are freed (or handed to the tree) when it leaves. Pages never mix
+owners: `tree_prefix_len` is always a multiple of page_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotswap.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from hotswap.engine.radix_cache import Namespace, RadixCache
+from hotswap.engine.request import Req
+
+
+class KVManager:
+    def __init__(self, allocator: TokenToKVPoolAllocator, req_to_token: ReqToTokenPool,
+                 tree: RadixCache, page_size: int):
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.tree = tree
+        self.page_size = page_size
+
+    def available(self) -> int:
+        """Tokens that can be allocated now, evicting unlocked tree nodes if needed."""
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def match_len(self, ns: Namespace, req: Req) -> int:
+        return self.tree.match_prefix(ns, self._matchable(req)).slots.numel()
+
+    def _matchable(self, req: Req) -> list[int]:
+        # At least one token is always recomputed: its logits sample the next token.
+        ids = req.fill_ids
+        return ids[: len(ids) - 1]
+
+    def admit(self, req: Req, ns: Namespace) -> bool:
+        """Give `req` a table row and its cached prefix; False when no row is free."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return False
+        match = self.tree.match_prefix(ns, self._matchable(req))
+        self.tree.inc_lock_ref(match.last_node)
+        req.namespace, req.req_pool_idx, req.last_node = ns, row, match.last_node
+        req.kv_slots = match.slots.clone()
+        req.tree_prefix_len = req.kv_len
+        req.cached_tokens = max(req.cached_tokens, req.kv_len)
+        self.req_to_token.write(row, 0, req.kv_slots)
+        return True
+
+    def alloc(self, reqs: list[Req], lens: list[int]) -> torch.Tensor | None:
+        """Slots for `lens[i]` new tokens of each req (evicting if short); None if impossible."""
+        need = sum(lens) + self.page_size * len(reqs)
+        if self.allocator.available_size() < need:
+            self.tree.evict(need - self.allocator.available_size())
+        last = [int(r.kv_slots[-1]) if r.kv_len else -1 for r in reqs]
+        slots = self.allocator.alloc_extend([r.kv_len for r in reqs], last, lens)
+        if slots is None:
+            return None
+        for req, part in zip(reqs, slots.split(lens)):
+            self.req_to_token.write(req.req_pool_idx, req.kv_len, part)
+            req.kv_slots = torch.cat((req.kv_slots, part))
+        return slots
+
+    def cache_unfinished(self, req: Req, live: bool) -> None:
+        """Hand the computed, page-aligned tokens to the tree so other requests can match them."""
+        if not live or self.tree.disable:
+            return
+        aligned = req.kv_len // self.page_size * self.page_size
+        if aligned <= req.tree_prefix_len:
+            return
+        ids = req.fill_ids[:aligned]
+        existing = self.tree.insert(req.namespace, ids, req.kv_slots[:aligned])
+        if existing > req.tree_prefix_len:  # the tree already had these: ours are duplicates
+            self.allocator.free(req.kv_slots[req.tree_prefix_len: existing])
+        match = self.tree.match_prefix(req.namespace, ids)
+        self.tree.inc_lock_ref(match.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.kv_slots = torch.cat((match.slots, req.kv_slots[aligned:]))
+        req.tree_prefix_len = aligned
+        self.req_to_token.write(req.req_pool_idx, 0, match.slots)
+
+    def release(self, req: Req, live: bool) -> None:
+        """Free everything `req` holds; its computed KV goes to the tree when `live`."""
+        if req.req_pool_idx is None:
+            return
+        self.cache_unfinished(req, live)
+        self.allocator.free(req.kv_slots[req.tree_prefix_len:])
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.namespace = None, None, None
+        req.kv_slots = req.kv_slots[:0]
+        req.tree_prefix_len = 0
+
+    def held_by_requests(self, reqs: list[Req]) -> int:
+        """Slots owned by requests (not the tree), counted in whole pages."""
+        ps = self.page_size
+        return sum(-(-(r.kv_len - r.tree_prefix_len) // ps) * ps for r in reqs
+                   if r.req_pool_idx is not None)
+
+    def check_integrity(self, reqs: list[Req]) -> None:
+        self.tree.check_integrity(self.held_by_requests(reqs))

@@ -1,0 +1,104 @@
+"""Finish checks (eos, stop ids, stop strings, length) and the outputs a request hands back."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hotswap.engine.request import FinishReason, IncrementalDetokenizer, Req
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_ids: set[int], context_length: int):
+        self.tokenizer = tokenizer
+        self.eos_ids = sorted(eos_ids)
+        self._eos = set(eos_ids)
+        self.context_length = context_length
+
+    def check_finish(self, req: Req) -> FinishReason | None:
+        """Why `req` stops after its newest token, or None to keep going."""
+        p = req.params
+        token = req.output_ids[-1]
+        if not p.ignore_eos and token in self._eos:
+            return FinishReason("stop", matched=token)
+        if token in p.stop_token_ids:
+            return FinishReason("stop", matched=token)
+        if p.stop or req.stream:
+            self._detokenize(req)
+            matched = self._match_stop_string(req)
+            if matched is not None:
+                return FinishReason("stop", matched=matched)
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason("length")
+        if len(req.prompt_ids) + len(req.output_ids) >= self.context_length:
+            return FinishReason("length", message="reached the model's context length")
+        return None
+
+    def _detokenize(self, req: Req) -> None:
+        if req.detok is None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        req.detok.update(req.output_ids)
+
+    @staticmethod
+    def _match_stop_string(req: Req) -> str | None:
+        text = req.detok.text
+        longest = max((len(s) for s in req.params.stop), default=0)
+        start = max(0, req.stop_scan_from - longest + 1)
+        req.stop_scan_from = len(text)
+        hits = [(text.find(s, start), s) for s in req.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        return min(hits)[1] if hits else None
+
+    def final_text(self, req: Req) -> str:
+        text = self.tokenizer.decode(req.output_ids,
+                                     skip_special_tokens=req.params.skip_special_tokens)
+        matched = req.finish_reason.matched if req.finish_reason else None
+        if isinstance(matched, str):
+            cut = text.find(matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def emit(self, req: Req) -> None:
+        """Deliver the final output, or for a stream the part not yet sent."""
+        if req.sink is None:
+            return
+        if req.stream:
+            req.sink(self._stream_delta(req))
+        elif req.finished:
+            req.sink(self.build(req, self.final_text(req), req.output_ids,
+                                req.output_logprobs, req.output_top_logprobs))
+
+    def _stream_delta(self, req: Req) -> dict[str, Any]:
+        if req.finished:
+            text = self.final_text(req)
+            safe = len(text)
+        else:
+            text = req.detok.text if req.detok else ""
+            holdback = max((len(s) for s in req.params.stop), default=1) - 1
+            safe = max(req.streamed_text, len(text) - holdback)
+        delta = text[req.streamed_text: safe]
+        lo, hi = req.streamed_ids, len(req.output_ids)
+        out = self.build(req, delta, req.output_ids[lo:hi], req.output_logprobs[lo:hi],
+                         req.output_top_logprobs[lo:hi])
+        req.streamed_text, req.streamed_ids = max(req.streamed_text, safe), hi
+        return out
+
+    def build(self, req: Req, text: str, ids: list[int], logprobs: list[float],
+              tops: list[Any]) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "weight_version": req.version_spans[-1].version if req.version_spans else None,
+            "weight_versions": [vars(s).copy() for s in req.version_spans],
+            "num_retractions": req.num_retractions,
+            "e2e_latency": time.perf_counter() - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t] for lp, t in zip(logprobs, ids)]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = list(tops)
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}

@@ -1,0 +1,119 @@
+"""Req: one (prompt, sample) from admission to finish, and its incremental detokenizer.
+
+The scheduler owns every Req. Fields fall into three groups: what was asked (ids, sampling),
+what the KV cache holds for it (row, slots, tree lock), and what it returns (tokens, logprobs,
+weight-version spans).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hotswap.engine.radix_cache import Namespace, TreeNode
+from hotswap.engine.sampling import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "matched": self.matched, "message": self.message}
+
+
+@dataclass
+class VersionSpan:
+    version: str
+    start: int
+    end: int
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas; holds back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def update(self, ids: list[int]) -> str:
+        """Decode up to the end of `ids`; returns the newly final text."""
+        prefix = self.tokenizer.decode(ids[self.prefix_offset: self.read_offset],
+                                       skip_special_tokens=self.skip_special)
+        full = self.tokenizer.decode(ids[self.prefix_offset:],
+                                     skip_special_tokens=self.skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.text += delta
+        return delta
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None
+    stream: bool = False
+    sink: Callable[[dict[str, Any]], None] | None = None  # receives output events
+    group_leader: Req | None = None  # n > 1: siblings wait for the leader's prompt KV
+    created: float = field(default_factory=time.perf_counter)
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[list[float | int]]] = field(default_factory=list)
+    version_spans: list[VersionSpan] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_retractions: int = 0
+    cached_tokens: int = 0
+
+    # KV state, owned by the scheduler
+    namespace: Namespace | None = None
+    req_pool_idx: int | None = None
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    tree_prefix_len: int = 0  # leading kv_slots owned by the radix tree (locked via last_node)
+    last_node: TreeNode | None = None
+    prefill_done: bool = False
+    admit_seq: int = 0
+    detok: IncrementalDetokenizer | None = None
+    stop_scan_from: int = 0
+    streamed_ids: int = 0
+    streamed_text: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs: prompt + generated so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.kv_slots.numel())
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    def stamp(self, version: str) -> None:
+        """Record that the newest output token was produced by `version`."""
+        pos = len(self.output_ids) - 1
+        if self.version_spans and self.version_spans[-1].version == version:
+            self.version_spans[-1].end = pos + 1
+        else:
+            self.version_spans.append(VersionSpan(version, pos, pos + 1))

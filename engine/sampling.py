@@ -1,0 +1,677 @@
+"""Sampling: request parameters, the per-step batch tensors, and the vectorised sampler.
+
+Logit processing order, every step, per row:
+  repetition penalty (HF/CTRL, over prompt + output tokens)
+  -> frequency / presence penalty (OpenAI, over output tokens) and logit_bias, one sparse add
+  -> min_new_tokens ban (eos + stop_token_ids) -> grammar mask -> temperature
+  -> top_k -> top_p (over the top_k-renormalised distribution) -> min_p (relative to the top token).
+"Processed" logprobs are those of the final, renormalised distribution the token is drawn from.
+
+How a token is drawn (the same arithmetic alone or in any batch, so seeds reproduce):
+each sampled row gets one uniform u in [0, 1): a splitmix64 hash of (seed, step) for seeded
+rows, a draw from the engine's generator otherwise. The token is the inverse CDF of the row's
+distribution at u, taken in a fixed order: vocabulary order for rows without truncation,
+descending-logit order (the `topk` slice) for truncated rows. Rows sampled over the whole
+vocabulary use a two-level CDF: float32 masses of 128-token blocks pick a block (cumulated in
+float64), then a float64 cumsum inside that block picks the token, so even tokens with
+probability near 1e-8 keep their share. One uniform per row replaces the per-token noise of the
+Gumbel-max trick, which on CPU costs more than the whole rest of the sampler (torch's
+`exponential_` over [64, 49152] takes about 45 ms here). No reduction below runs across rows,
+so a row's result depends only on its own logits, params and (seed, step); which rows share
+the batch only changes how many rows each kernel processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from itertools import chain
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
+MAX_ABS_PENALTY = 2.0  # OpenAI's range for frequency/presence penalties
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are treated as 0 (dividing by them overflows)
+LOGPROB_MODES = ("processed", "raw")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "choices")
+BLOCK = 128  # vocabulary block of the two-level CDF; divides every common vocabulary size
+MIN_CANDIDATES = 64  # first topk width tried for truncated rows (a multiple of 16, see _round16)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, step): a counter-based hash, no state."""
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    return (z >> 11) * 2.0**-53
+
+
+def _fail(name: str, expected: str, value: Any) -> None:
+    raise ValueError(f"sampling_params.{name}: expected {expected}, got {value!r}")
+
+
+def _as_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        _fail(name, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]", value)
+    return value
+
+
+def _as_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, "a number", value)
+    value = float(value)
+    too_low = value <= lo if lo_open else value < lo
+    if math.isnan(value) or too_low or value > hi:
+        _fail(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]", value)
+    return value
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        _fail(name, "true or false", value)
+    return value
+
+
+def _as_str_list(name: str, value: Any, allow_str: bool) -> tuple[str, ...]:
+    items = [value] if allow_str and isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        _fail(name, "a non-empty string or a list of them" if allow_str else "a list of strings",
+              value)
+    return tuple(items)
+
+
+def _as_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        _fail(name, "a list of token ids", value)
+    return tuple(_as_int(name, t, lo=0) for t in value)
+
+
+def _as_logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        _fail("logit_bias", "a dict of token id -> bias", value)
+    bias: dict[int, float] = {}
+    for key, b in value.items():
+        tid = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tid = int(key)
+        if tid is None or tid < 0:
+            _fail("logit_bias", "non-negative integer token ids as keys", key)
+        if tid in bias:
+            _fail("logit_bias", "each token id once", key)
+        bias[tid] = _as_float("logit_bias", b, -math.inf, math.inf, lo_open=True)
+        if math.isinf(bias[tid]):
+            _fail("logit_bias", "finite biases", b)
+    return bias
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters, validated and normalised at construction.
+
+    Normal forms: `stop` and `stop_token_ids` are tuples, `choices` a tuple, `json_schema` a JSON
+    string, `logit_bias` a dict with int keys, numbers are floats. At most one grammar field is set.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choices: tuple[str, ...] | None = None
+    logit_bias: dict[int, float] | None = None
+    logprob_mode: str = "processed"
+
+    def __post_init__(self) -> None:
+        for name, value in _normalised_fields(self).items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Parse the API's sampling_params dict; a None value means the default."""
+        if d is None:
+            return cls()
+        if isinstance(d, SamplingParams):
+            return d
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling_params: expected a dict, got {type(d).__name__}")
+        unknown = [k for k in d if k not in _FIELD_NAMES]
+        if unknown:
+            raise ValueError(
+                f"sampling_params: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(_FIELD_NAMES))}"
+            )
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def grammar(self) -> tuple[str, str | tuple[str, ...]] | None:
+        """(kind, spec) of the one grammar field that is set, for the grammar module."""
+        for name in GRAMMAR_FIELDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Params of the index-th of n samples: n=1, and a distinct seed derived from `seed`
+        (sample 0 keeps it), so seeded n>1 requests neither repeat nor depend on the batch."""
+        seed = self.seed
+        if seed is not None and index > 0:
+            seed = _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
+        return _replace(self, n=1, seed=seed)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError for token ids outside the vocabulary (call at admission)."""
+        for tid in chain(self.stop_token_ids, self.logit_bias or ()):
+            if tid >= vocab_size:
+                field_name = "stop_token_ids" if tid in self.stop_token_ids else "logit_bias"
+                _fail(field_name, f"token ids below the vocabulary size {vocab_size}", tid)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _replace(p: SamplingParams, **changes: Any) -> SamplingParams:
+    return SamplingParams(**{**{f.name: getattr(p, f.name) for f in fields(p)}, **changes})
+
+
+def _normalised_fields(p: SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "max_new_tokens": _as_int("max_new_tokens", p.max_new_tokens, lo=0),
+        "min_new_tokens": _as_int("min_new_tokens", p.min_new_tokens, lo=0),
+        "temperature": _as_float("temperature", p.temperature, 0.0, math.inf),
+        "top_p": _as_float("top_p", p.top_p, 0.0, 1.0, lo_open=True),
+        "min_p": _as_float("min_p", p.min_p, 0.0, 1.0),
+        "repetition_penalty": _as_float("repetition_penalty", p.repetition_penalty, 0.0, math.inf,
+                                        lo_open=True),
+        "n": _as_int("n", p.n, lo=1, hi=MAX_N),
+        "ignore_eos": _as_bool("ignore_eos", p.ignore_eos),
+        "skip_special_tokens": _as_bool("skip_special_tokens", p.skip_special_tokens),
+        "stop": _as_str_list("stop", p.stop, allow_str=True) if p.stop is not None else (),
+        "stop_token_ids": _as_token_ids("stop_token_ids", p.stop_token_ids or ()),
+    }
+    if out["min_new_tokens"] > out["max_new_tokens"]:
+        _fail("min_new_tokens", f"at most max_new_tokens ({out['max_new_tokens']})",
+              out["min_new_tokens"])
+    if math.isinf(out["temperature"]) or math.isinf(out["repetition_penalty"]):
+        name = "temperature" if math.isinf(out["temperature"]) else "repetition_penalty"
+        _fail(name, "a finite number", out[name])
+    top_k = _as_int("top_k", p.top_k)
+    if top_k == 0 or top_k < -1:
+        _fail("top_k", "-1 (off) or a positive integer", top_k)
+    out["top_k"] = top_k
+    for name in ("frequency_penalty", "presence_penalty"):
+        out[name] = _as_float(name, getattr(p, name), -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+    if p.seed is not None:
+        out["seed"] = _as_int("seed", p.seed)
+    if p.logprob_mode not in LOGPROB_MODES:
+        _fail("logprob_mode", " or ".join(map(repr, LOGPROB_MODES)), p.logprob_mode)
+    if p.logit_bias is not None:
+        out["logit_bias"] = _as_logit_bias(p.logit_bias)
+    out.update(_normalised_grammar(p))
+    return out
+
+
+def _normalised_grammar(p: SamplingParams) -> dict[str, Any]:
+    given = [name for name in GRAMMAR_FIELDS if getattr(p, name) is not None]
+    if len(given) > 1:
+        raise ValueError(
+            f"sampling_params: at most one of {', '.join(GRAMMAR_FIELDS)} may be set, "
+            f"got {', '.join(given)}"
+        )
+    out: dict[str, Any] = {}
+    if p.json_schema is not None:
+        if isinstance(p.json_schema, dict):
+            out["json_schema"] = json.dumps(p.json_schema)
+        elif not isinstance(p.json_schema, str):
+            _fail("json_schema", "a JSON schema as a string or a dict", p.json_schema)
+    for name in ("regex", "ebnf"):
+        if getattr(p, name) is not None and not isinstance(getattr(p, name), str):
+            _fail(name, "a string", getattr(p, name))
+    if p.choices is not None:
+        out["choices"] = _as_str_list("choices", p.choices, allow_str=False)
+        if not out["choices"]:
+            _fail("choices", "a non-empty list of strings", p.choices)
+    return out
+
+
+class RowGroup(NamedTuple):
+    rows: torch.Tensor  # [n] int64 batch rows, ascending
+    is_all: bool  # the group is the whole batch in order: take tensors as they are
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.is_all else t.index_select(0, self.rows)
+
+
+def _group(rows: list[int], batch_size: int, device: torch.device) -> RowGroup | None:
+    if not rows:
+        return None
+    return RowGroup(torch.tensor(rows, dtype=torch.int64, device=device), len(rows) == batch_size)
+
+
+@dataclass
+class SamplingBatchInfo:
+    """One step's sampling arguments as flat tensors, built once per step from the batch rows.
+
+    Rows fall into three groups that are processed apart: greedy (argmax), full (sampled over
+    the whole vocabulary) and truncated (top_k / top_p / min_p: sampled from a topk slice).
+    Sparse edits are flat indices into the [B, V] logits (row * V + token); a None field means
+    no row needs that step, and the sampler skips it.
+    """
+
+    batch_size: int
+    vocab_size: int
+    temperatures: torch.Tensor  # [B, 1] float32, 1.0 for greedy rows
+    top_ks: torch.Tensor  # [B] int64, vocab_size where off
+    top_ps: torch.Tensor  # [B] float64, 1.0 where off
+    min_ps: torch.Tensor  # [B] float64, 0.0 where off
+    uniforms: torch.Tensor  # [B] float64: seeded rows' draws; NaN where the generator draws
+    greedy: RowGroup | None
+    full: RowGroup | None
+    truncated: RowGroup | None
+    unseeded: RowGroup | None  # sampled rows without a seed
+    raw: RowGroup | None  # rows whose logprobs are of the unprocessed logits
+    need_temperature: bool
+    truncated_need_full_mass: bool  # some truncated row has top_p without top_k
+    max_top_k: int  # over truncated rows with top_k; 0 when none
+    rep_index: torch.Tensor | None  # [N] flat indices, prompt + output tokens, once per row
+    rep_penalty: torch.Tensor | None  # [N] float32
+    add_index: torch.Tensor | None  # [M] flat indices: frequency/presence penalties, logit_bias
+    add_value: torch.Tensor | None  # [M] float32
+    ban_index: torch.Tensor | None  # [K] flat indices banned by min_new_tokens
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        output_ids: list[list[int]],
+        prompt_ids: list[list[int]],
+        seeds_step: list[int],
+        eos_ids: list[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatchInfo:
+        """`seeds_step[i]`: tokens row i has generated so far; `eos_ids`: the model's eos ids.
+        Token ids outside [0, vocab_size) are ignored here; `check_vocab` rejects them earlier."""
+        device = torch.device(device)
+        bsz, vocab = len(params), vocab_size
+        temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
+        groups: dict[str, list[int]] = {"greedy": [], "full": [], "truncated": [],
+                                        "unseeded": [], "raw": []}
+        for i, p in enumerate(params):
+            greedy = p.is_greedy
+            temps.append(1.0 if greedy else p.temperature)
+            top_ks.append(vocab if greedy or p.top_k < 0 else min(p.top_k, vocab))
+            top_ps.append(1.0 if greedy else p.top_p)
+            min_ps.append(0.0 if greedy else p.min_p)
+            truncated = top_ks[-1] < vocab or top_ps[-1] < 1.0 or min_ps[-1] > 0.0
+            groups["greedy" if greedy else "truncated" if truncated else "full"].append(i)
+            if p.logprob_mode == "raw":
+                groups["raw"].append(i)
+            if not greedy and p.seed is None:
+                groups["unseeded"].append(i)
+            seeded = not greedy and p.seed is not None
+            uniforms.append(seeded_uniform(p.seed, seeds_step[i]) if seeded else math.nan)
+        trunc = groups["truncated"]
+        edits = _sparse_edits(params, output_ids, prompt_ids, eos_ids, vocab, device)
+        return cls(
+            batch_size=bsz,
+            vocab_size=vocab,
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(bsz, 1),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float64, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float64, device=device),
+            uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
+            **{name: _group(rows, bsz, device) for name, rows in groups.items()},
+            need_temperature=any(t != 1.0 for t in temps),
+            truncated_need_full_mass=any(top_ps[i] < 1.0 and top_ks[i] == vocab for i in trunc),
+            max_top_k=max((top_ks[i] for i in trunc if top_ks[i] < vocab), default=0),
+            **edits,
+        )
+
+
+def _sparse_edits(
+    params: list[SamplingParams],
+    output_ids: list[list[int]],
+    prompt_ids: list[list[int]],
+    eos_ids: list[int],
+    vocab: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor | None]:
+    rep_index: list[int] = []
+    rep_penalty: list[float] = []
+    add_index: list[int] = []
+    add_value: list[float] = []
+    ban_index: list[int] = []
+    for i, p in enumerate(params):
+        base = i * vocab
+        if p.repetition_penalty != 1.0:
+            seen = {t for t in chain(prompt_ids[i], output_ids[i]) if 0 <= t < vocab}
+            rep_index.extend(base + t for t in seen)
+            rep_penalty.extend([p.repetition_penalty] * len(seen))
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            for t, count in Counter(output_ids[i]).items():
+                if 0 <= t < vocab:
+                    add_index.append(base + t)
+                    add_value.append(-(p.frequency_penalty * count + p.presence_penalty))
+        for t, bias in (p.logit_bias or {}).items():
+            if t < vocab:
+                add_index.append(base + t)
+                add_value.append(bias)
+        if len(output_ids[i]) < p.min_new_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            ban_index.extend(base + t for t in banned if 0 <= t < vocab)
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor | None:
+        return torch.tensor(values, dtype=dtype, device=device) if values else None
+
+    return {
+        "rep_index": tensor(rep_index, torch.int64),
+        "rep_penalty": tensor(rep_penalty, torch.float32),
+        "add_index": tensor(add_index, torch.int64),
+        "add_value": tensor(add_value, torch.float32),
+        "ban_index": tensor(ban_index, torch.int64),
+    }
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, logprob of the chosen token
+    top_logprob_ids: torch.Tensor | None  # [B, k] int64, best first
+    top_logprob_values: torch.Tensor | None  # [B, k] float32; -inf past a truncated support
+
+
+class _GroupResult(NamedTuple):
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+
+
+def process_logits(
+    logits: torch.Tensor, info: SamplingBatchInfo, vocab_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Penalties, logit_bias, min_new_tokens ban, grammar mask and temperature, in that order.
+    Never writes into `logits` (raw logprobs need them); copies only when some step applies."""
+    x = logits.float()
+    owned = x is not logits
+    edits = (info.rep_index, info.add_index, info.ban_index, vocab_mask)
+    if any(e is not None for e in edits):
+        x, owned = (x, True) if owned else (x.clone(), True)
+        flat = x.view(-1)
+        if info.rep_index is not None:
+            v = flat[info.rep_index]
+            flat[info.rep_index] = torch.where(v > 0, v / info.rep_penalty, v * info.rep_penalty)
+        if info.add_index is not None:
+            flat.index_add_(0, info.add_index, info.add_value)
+        if vocab_mask is not None:
+            x.masked_fill_(~vocab_mask, -math.inf)
+        if info.ban_index is not None:
+            _ban(x, info.ban_index, grammar_masked=vocab_mask is not None)
+    if info.need_temperature:
+        x = x.div_(info.temperatures) if owned else x / info.temperatures
+    return x
+
+
+def _ban(x: torch.Tensor, ban_index: torch.Tensor, grammar_masked: bool) -> None:
+    flat = x.view(-1)
+    saved = flat[ban_index]
+    flat.index_fill_(0, ban_index, -math.inf)
+    if not grammar_masked:
+        return
+    # The grammar wins: where it allows only banned tokens (say, only eos), lift the ban.
+    dead = torch.isneginf(x.amax(dim=-1))
+    lift = dead[ban_index // x.shape[1]]
+    if bool(lift.any()):
+        flat[ban_index[lift]] = saved[lift]
+
+
+class _Mass(NamedTuple):
+    """exp(x - max) of some rows and its 128-token block masses: the two-level CDF."""
+
+    shift: torch.Tensor  # [n, 1] float32 row max
+    weights: torch.Tensor  # [n, nb, BLOCK] float32, zero-padded past the vocabulary
+    block_mass: torch.Tensor  # [n, nb] float32
+    cum: torch.Tensor  # [n, nb] float64 cumulative block mass
+    total: torch.Tensor  # [n] float64
+
+    @property
+    def lse(self) -> torch.Tensor:  # [n] float64 log-sum-exp of the rows
+        return self.shift.squeeze(1).double() + self.total.log()
+
+
+def _mass(x: torch.Tensor) -> _Mass:
+    shift = x.amax(dim=-1, keepdim=True)
+    w = torch.exp(x - shift)
+    pad = (-w.shape[1]) % BLOCK
+    if pad:
+        w = F.pad(w, (0, pad))
+    blocks = w.view(w.shape[0], -1, BLOCK)
+    # Reduce within blocks only, so each row's sums never depend on how many rows there are.
+    block_mass = blocks.sum(dim=-1)
+    cum = block_mass.double().cumsum(dim=-1)
+    return _Mass(shift, blocks, block_mass, cum, cum[:, -1])
+
+
+def _below(bound: torch.Tensor) -> torch.Tensor:
+    # A target strictly below the top of the CDF always lands on a token with positive mass.
+    return torch.nextafter(bound, torch.zeros_like(bound))
+
+
+def _inverse_cdf(m: _Mass, u: torch.Tensor) -> torch.Tensor:
+    """Token ids at uniforms u [n] float64: pick a block by its mass, then a token in it."""
+    n = u.shape[0]
+    target = torch.minimum(u * m.total, _below(m.total)).unsqueeze(1)
+    block = torch.searchsorted(m.cum, target, right=True)  # [n, 1]
+    prev = torch.where(block > 0, m.cum.gather(1, (block - 1).clamp(min=0)), 0.0)
+    frac = (target - prev) / m.block_mass.gather(1, block).double()
+    inner = m.weights[torch.arange(n, device=u.device), block.squeeze(1)].double().cumsum(-1)
+    inner_target = torch.minimum(frac * inner[:, -1:], _below(inner[:, -1:]))
+    pos = torch.searchsorted(inner, inner_target, right=True)
+    return (block * BLOCK + pos).squeeze(1)
+
+
+def _top(x: torch.Tensor, lse: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = x.topk(min(k, x.shape[1]), dim=-1)
+    return ids, (values.double() - lse.unsqueeze(1)).float()
+
+
+def _whole_vocab(
+    x: torch.Tensor, u: torch.Tensor | None, return_logprob: bool, top_k: int
+) -> _GroupResult:
+    """Greedy rows (u is None: argmax) or rows sampled over the whole vocabulary."""
+    if u is None and not return_logprob:
+        return _GroupResult(x.argmax(dim=-1), None, None, None)
+    m = _mass(x)
+    tokens = x.argmax(dim=-1) if u is None else _inverse_cdf(m, u)
+    if not return_logprob:
+        return _GroupResult(tokens, None, None, None)
+    chosen = x.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    logprobs = (chosen.double() - m.lse).float()
+    top_ids, top_values = _top(x, m.lse, top_k) if top_k else (None, None)
+    return _GroupResult(tokens, logprobs, top_ids, top_values)
+
+
+def _round16(k: int, vocab: int) -> int:
+    # Slice widths that are multiples of 16 keep every element on the same vectorised code
+    # path whatever the batch, so the per-row arithmetic does not change with batch-mates.
+    return min(vocab, -(-k // 16) * 16)
+
+
+class _Candidates(NamedTuple):
+    values: torch.Tensor  # [n, K] processed logits, descending
+    ids: torch.Tensor  # [n, K]
+    cum: torch.Tensor  # [n, K] float64 cumulative exp(values - values[:, 0])
+    keep: torch.Tensor  # [n] int64 tokens kept by top_k / top_p / min_p (a prefix of the slice)
+
+
+def _candidates(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    full_mass: torch.Tensor | None, width: int,
+) -> _Candidates:
+    """The smallest topk slice (starting at `width`, growing 8x) that holds every row's kept
+    set; the kept set is the same for any width that holds it, so batch-mates cannot change it."""
+    vocab = x.shape[1]
+    has_top_k = top_k < vocab
+    while True:
+        values, ids = x.topk(width, dim=-1)
+        weights = torch.exp(values - values[:, :1]).double()
+        cum = weights.cumsum(dim=-1)
+        keep = _kept(values, cum, weights, top_k, top_p, min_p, vocab, full_mass)
+        if width == vocab or bool(((keep < width) | has_top_k).all()):
+            return _Candidates(values, ids, cum, keep)
+        width = _round16(width * 8, vocab)
+
+
+def _kept(
+    values: torch.Tensor, cum: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor,
+    top_p: torch.Tensor, min_p: torch.Tensor, vocab: int, full_mass: torch.Tensor | None,
+) -> torch.Tensor:
+    """How many of the slice's tokens survive top_k, then top_p, then min_p (each keeps a
+    prefix of the descending slice, so the survivors are the shortest of the three prefixes)."""
+    width = values.shape[1]
+    keep_k = top_k.clamp(max=width)
+    # top_p is over the top_k-renormalised distribution, or the whole vocabulary without top_k.
+    norm = cum.gather(1, (keep_k - 1).unsqueeze(1)).squeeze(1)
+    if full_mass is not None:
+        norm = torch.where(top_k < vocab, norm, full_mass)
+    before = F.pad(cum[:, :-1], (1, 0))  # mass strictly before each position
+    keep_p = (before < (top_p * norm).unsqueeze(1)).sum(dim=-1)
+    keep_p = torch.where(top_p < 1.0, keep_p, width)
+    floor = values[:, :1].double() + min_p.log().unsqueeze(1)
+    keep_min_p = (values >= floor).sum(dim=-1)
+    positive = (weights > 0).sum(dim=-1)
+    keep = torch.minimum(torch.minimum(keep_k, keep_p), torch.minimum(keep_min_p, positive))
+    return keep.clamp(min=1)
+
+
+def _truncated(
+    x: torch.Tensor, info: SamplingBatchInfo, group: RowGroup, u: torch.Tensor,
+    return_logprob: bool, top_k: int,
+) -> _GroupResult:
+    """Rows with top_k / top_p / min_p: the inverse CDF over the kept prefix of a topk slice."""
+    vocab = x.shape[1]
+    full_mass = _mass(x).total if info.truncated_need_full_mass else None
+    width = _round16(max(MIN_CANDIDATES, info.max_top_k, top_k), vocab)
+    c = _candidates(x, group.take(info.top_ks), group.take(info.top_ps),
+                    group.take(info.min_ps), full_mass, width)
+    kept_mass = c.cum.gather(1, (c.keep - 1).unsqueeze(1))  # [n, 1]
+    target = torch.minimum(u.unsqueeze(1) * kept_mass, _below(kept_mass))
+    pos = torch.searchsorted(c.cum, target, right=True)
+    tokens = c.ids.gather(1, pos).squeeze(1)
+    if not return_logprob:
+        return _GroupResult(tokens, None, None, None)
+    lse = c.values[:, :1].double() + kept_mass.log()
+    logprobs = (c.values.gather(1, pos).double() - lse).squeeze(1).float()
+    if not top_k:
+        return _GroupResult(tokens, logprobs, None, None)
+    k = min(top_k, vocab)
+    top_values = (c.values[:, :k].double() - lse).float()
+    past_support = torch.arange(k, device=x.device).unsqueeze(0) >= c.keep.unsqueeze(1)
+    top_values = top_values.masked_fill(past_support, -math.inf)
+    return _GroupResult(tokens, logprobs, c.ids[:, :k], top_values)
+
+
+def _raw(logits: torch.Tensor, group: RowGroup, tokens: torch.Tensor, top_k: int) -> _GroupResult:
+    """Logprobs of the unprocessed logits at the chosen tokens, for logprob_mode="raw" rows."""
+    x = group.take(logits.float())
+    tokens = group.take(tokens)
+    lse = _mass(x).lse
+    logprobs = (x.gather(1, tokens.unsqueeze(1)).squeeze(1).double() - lse).float()
+    top_ids, top_values = _top(x, lse, top_k) if top_k else (None, None)
+    return _GroupResult(tokens, logprobs, top_ids, top_values)
+
+
+def _put(dst: torch.Tensor | None, group: RowGroup, src: torch.Tensor | None) -> None:
+    if dst is None or src is None:
+        return
+    if group.is_all:
+        dst.copy_(src)
+    else:
+        dst.index_copy_(0, group.rows, src)
+
+
+class Sampler:
+    """Draws the next token of every row; see the module docstring for the method."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        vocab_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> SampleOutput:
+        """`logits` [B, V] (not modified); `vocab_mask` [B, V] bool, True = allowed;
+        `top_logprobs_num` is the max over rows (trim per row); `generator` draws for rows
+        without a seed and must live on the logits' device."""
+        x = process_logits(logits, info, vocab_mask)
+        u = _uniforms(info, generator)
+        bsz, vocab = x.shape
+        k = min(top_logprobs_num, vocab) if return_logprob else 0
+        out = SampleOutput(
+            torch.empty(bsz, dtype=torch.int64, device=x.device),
+            torch.empty(bsz, dtype=torch.float32, device=x.device) if return_logprob else None,
+            torch.empty(bsz, k, dtype=torch.int64, device=x.device) if k else None,
+            torch.empty(bsz, k, dtype=torch.float32, device=x.device) if k else None,
+        )
+        results = []
+        if info.greedy is not None:
+            results.append((info.greedy,
+                            _whole_vocab(info.greedy.take(x), None, return_logprob, k)))
+        if info.full is not None:
+            g = info.full
+            results.append((g, _whole_vocab(g.take(x), g.take(u), return_logprob, k)))
+        if info.truncated is not None:
+            g = info.truncated
+            results.append((g, _truncated(g.take(x), info, g, g.take(u), return_logprob, k)))
+        for group, result in results:
+            for dst, src in zip(out, result, strict=True):
+                _put(dst, group, src)
+        if return_logprob and info.raw is not None:
+            raw = _raw(logits, info.raw, out.next_token_ids, k)
+            for dst, src in zip(out[1:], raw[1:], strict=True):
+                _put(dst, info.raw, src)
+        return out
+
+
+def _uniforms(info: SamplingBatchInfo, generator: torch.Generator | None) -> torch.Tensor:
+    if info.unseeded is None:
+        return info.uniforms
+    rows = info.unseeded.rows
+    draws = torch.rand(rows.shape[0], dtype=torch.float64, device=rows.device,
+                       generator=generator)
+    return info.uniforms.index_copy(0, rows, draws)

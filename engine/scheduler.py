@@ -1,0 +1,307 @@
+"""The scheduler: one background thread that turns queued requests into batched forward steps.
+
+Each step: give every decoding request a KV slot (evicting cached prefixes, then retracting the
+most recently admitted requests when the pool is short), admit prefill work through the
+PrefillAdder (a chunked request first, then the waiting queue in policy order), run one forward
+over the mixed batch, sample, and hand results to the requests' sinks. Commands from the Engine
+(weight updates, pause, flush) run in this thread between steps, so they never race a forward.
+The thread blocks on its inbox when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from hotswap.engine.config import EngineConfig
+from hotswap.engine.kv_manager import KVManager
+from hotswap.engine.model_runner import ModelRunner
+from hotswap.engine.output import OutputProcessor
+from hotswap.engine.radix_cache import Namespace, RadixCache
+from hotswap.engine.request import FinishReason, Req
+from hotswap.engine.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.schedule_batch import BatchRow, ScheduleBatch
+from hotswap.engine.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
+                 weight_version: Callable[[], str]):
+        self.config = config
+        self.runner = runner
+        self.outputs = outputs
+        self.weight_version = weight_version
+        self.tree = RadixCache(runner.allocator, config.page_size,
+                               disable=not config.enable_prefix_cache or config.deterministic)
+        self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
+                            config.page_size)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)
+        self.ratio = NewTokenRatio()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.paused = False
+        self.hold_admission = False  # set while a flush waits for running requests to drain
+        self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                      "cached_tokens": 0, "steps": 0}
+        self._admit_counter = 0
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hotswap-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    def submit(self, reqs: list[Req]) -> None:
+        self._inbox.put(("reqs", reqs))
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> None:
+        self._inbox.put(("abort", (rid, abort_all)))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` in the scheduler thread between steps; the Future carries its result."""
+        future: Future = Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    def namespace(self, req: Req) -> Namespace:
+        return Namespace(self.weight_version(), None, 0, req.cache_salt)
+
+    def is_live(self, req: Req) -> bool:
+        return req.namespace is not None and req.namespace.weight_version == self.weight_version()
+
+    @property
+    def has_work(self) -> bool:
+        return not self.paused and bool(self.running or self.waiting)
+
+    def _loop(self) -> None:
+        torch.set_num_threads(torch.get_num_threads())
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.has_work)
+            if self._stop.is_set():
+                break
+            if not self.has_work:
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+                logger.error("step failed: %s", traceback.format_exc())
+                self.abort_running(f"internal error in forward step: {exc!r}")
+            if not self.running and not self.waiting:
+                self.kv.check_integrity([])
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "reqs":
+            for req in payload:
+                if req.params.max_new_tokens == 0:
+                    self.finish(req, FinishReason("length"))
+                else:
+                    self.waiting.append(req)
+                    self.stats["prompt_tokens"] += len(req.prompt_ids)
+        elif kind == "abort":
+            self._abort(*payload)
+        elif kind == "call":
+            fn, future = payload
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+                    future.set_exception(exc)
+
+    def _abort(self, rid: str | None, abort_all: bool) -> None:
+        def hit(req: Req) -> bool:
+            return abort_all or req.rid == rid or req.rid.startswith(f"{rid}-")
+
+        for req in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(req)
+            self.finish(req, FinishReason("abort", message="aborted by request"))
+        for req in [r for r in self.running if hit(r)]:
+            self.finish(req, FinishReason("abort", message="aborted by request"))
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End `req`: free its KV (cached when still valid) and deliver its final output."""
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.release(req, self.is_live(req))
+        self.outputs.emit(req)
+
+    def abort_running(self, message: str) -> None:
+        for req in list(self.running):
+            self.finish(req, FinishReason("abort", message=message))
+
+    def abort_waiting(self, message: str) -> None:
+        waiting, self.waiting = self.waiting, []
+        for req in waiting:
+            self.finish(req, FinishReason("abort", message=message))
+
+    def retract(self, req: Req) -> None:
+        """Drop `req`'s KV and queue it (first) to be recomputed from prompt + output so far."""
+        self.running.remove(req)
+        self.kv.release(req, self.is_live(req))
+        req.prefill_done = False
+        req.num_retractions += 1
+        self.waiting.insert(0, req)
+
+    def retract_all(self) -> None:
+        for req in sorted(self.running, key=lambda r: -r.admit_seq):
+            self.retract(req)
+
+    def step(self) -> None:
+        batch = self._schedule()
+        if batch is None:
+            return
+        version = self.weight_version()
+        if self.config.deterministic:
+            logits = torch.cat([self.runner.forward(ScheduleBatch.build([row], self.runner.device)
+                                                    .forward_batch) for row in batch.rows])
+        else:
+            logits = self.runner.forward(batch.forward_batch)
+        self.stats["steps"] += 1
+        self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
+        self._process(batch, logits, version)
+
+    def _schedule(self) -> ScheduleBatch | None:
+        rows = self._reserve_decode()
+        rows += self._admit_prefill()
+        if not rows:
+            return None
+        return ScheduleBatch.build(rows, self.runner.device)
+
+    def _reserve_decode(self) -> list[BatchRow]:
+        decode = [r for r in self.running if r.prefill_done]
+        while decode:
+            if self.kv.alloc(decode, [1] * len(decode)) is not None:
+                self.ratio.step()
+                return [BatchRow(r, 1, True) for r in decode]
+            if len(self.running) == 1:
+                self.finish(decode[0], FinishReason(
+                    "abort", message="KV pool too small for this request's context"))
+                return []
+            victim = max(decode, key=lambda r: r.admit_seq)
+            decode.remove(victim)
+            self.retract(victim)
+            self.ratio.reset()
+        return []
+
+    def _reserved_tokens(self) -> int:
+        return int(sum(r.remaining_new_tokens for r in self.running) * self.ratio.value)
+
+    def _admit_prefill(self) -> list[BatchRow]:
+        cfg = self.config
+        adder = PrefillAdder(self.kv.available(), self._reserved_tokens(), cfg.max_prefill_tokens,
+                             cfg.chunked_prefill_size, len(self.running),
+                             cfg.max_running_requests, self.ratio.value, cfg.page_size)
+        rows = []
+        chunking = False
+        for req in [r for r in self.running if not r.prefill_done]:
+            row = self._plan_prefill(adder, req, may_chunk=True, new=False)
+            if row is None:
+                continue
+            rows.append(row)
+            chunking = chunking or not row.samples
+        if self.hold_admission or not self.waiting:
+            return rows
+        share = self.config.enable_prefix_cache and not self.tree.disable
+        prefix = {r.rid: self.kv.match_len(self.namespace(r), r) if share else 0
+                  for r in self.waiting}
+        for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
+            if not adder.room_for_new_request():
+                break
+            if share and adder.shares_with_admitted(req, prefix[req.rid]):
+                continue
+            if not self.kv.admit(req, self.namespace(req)):
+                break
+            row = self._plan_prefill(adder, req, may_chunk=not chunking, new=True)
+            if row is None:
+                self.kv.release(req, live=False)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            self._admit_counter += 1
+            req.admit_seq = self._admit_counter
+            self.stats["cached_tokens"] += req.kv_len
+            rows.append(row)
+            chunking = chunking or not row.samples
+        return rows
+
+    def _plan_prefill(self, adder: PrefillAdder, req: Req, may_chunk: bool, new: bool
+                      ) -> BatchRow | None:
+        todo = len(req.fill_ids) - req.kv_len
+        extend = adder.plan_extend(req, todo, may_chunk)
+        if extend == 0 or self.kv.alloc([req], [extend]) is None:
+            return None
+        adder.take(req, extend, new)
+        return BatchRow(req, extend, samples=extend == todo)
+
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str) -> None:
+        sampling_rows = batch.sampling_rows
+        for row in batch.rows:
+            if not row.samples:  # a chunk: share what is computed so far
+                self.kv.cache_unfinished(row.req, self.is_live(row.req))
+        if not sampling_rows:
+            return
+        reqs = [row.req for row in sampling_rows]
+        info = SamplingBatchInfo.build(
+            [r.params for r in reqs], [r.output_ids for r in reqs], [r.prompt_ids for r in reqs],
+            [len(r.output_ids) for r in reqs], self.outputs.eos_ids,
+            logits.shape[-1], logits.device)
+        top_k = max(r.top_logprobs_num for r in reqs)
+        want_logprob = any(r.return_logprob for r in reqs)
+        out = self.sampler.sample(logits, info, return_logprob=want_logprob,
+                                  top_logprobs_num=top_k, generator=self.generator)
+        next_ids = out.next_token_ids.tolist()
+        logprobs = out.logprobs.tolist() if want_logprob else [0.0] * len(reqs)
+        tops = self._top_lists(out, reqs)
+        for i, req in enumerate(reqs):
+            req.output_ids.append(next_ids[i])
+            if req.return_logprob:
+                req.output_logprobs.append(logprobs[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(tops[i][: req.top_logprobs_num])
+            req.stamp(version)
+            self.stats["generated_tokens"] += 1
+            if not req.prefill_done:
+                req.prefill_done = True
+                self.kv.cache_unfinished(req, self.is_live(req))
+            reason = self.outputs.check_finish(req)
+            if reason is not None:
+                self.finish(req, reason)
+            elif req.stream:
+                self.outputs.emit(req)
+
+    @staticmethod
+    def _top_lists(out: Any, reqs: list[Req]) -> list[list[list[float | int]]]:
+        if out.top_logprob_ids is None or not any(r.top_logprobs_num for r in reqs):
+            return [[] for _ in reqs]
+        ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
+        return [[[v, t] for v, t in zip(vr, ir)] for vr, ir in zip(vals, ids)]
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.running)

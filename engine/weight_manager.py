@@ -1,0 +1,232 @@
+"""WeightManager: the weight version, pause modes, and weight updates as transactions.
+
+An update (from tensors, disk or a process group) is validated against the model's HF weight
+map before any parameter is touched. Then, in the scheduler thread between steps: running
+requests are handled per pause mode, the tensors are copied into place, the version is bumped
+and every KV namespace of older versions is retired. A failure before the first write leaves the
+old weights and version serving; a failure after it marks the weights incomplete, aborts all
+work and makes generation refuse until a complete update succeeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import closing
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_checkpoint_meta
+from hotswap.weight_sync import group as ws_group
+from hotswap.weight_sync.bucket import str_to_dtype
+from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
+
+if TYPE_CHECKING:
+    from hotswap.engine.model_runner import ModelRunner
+    from hotswap.engine.scheduler import Scheduler
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class WeightsIncompleteError(RuntimeError):
+    """Generation refused: an update failed after it had started overwriting weights."""
+
+
+class WeightManager:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.version = "0"
+        self.incomplete: str | None = None  # why the weights are partly overwritten
+        self.last_update_s: float | None = None
+        self._auto = itertools.count(1)
+        self._groups: dict[str, ws_group.WeightGroup] = {}
+        self.scheduler: Scheduler | None = None
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            self.destroy_group(name)
+
+    def check_servable(self) -> None:
+        if self.incomplete is not None:
+            raise WeightsIncompleteError(
+                f"weights are incomplete after a failed update ({self.incomplete}); "
+                "generation is refused until a complete update succeeds")
+
+    # pause / continue / flush (scheduler thread)
+
+    def pause(self, mode: str) -> dict:
+        self._apply_pause_mode(mode)
+        self.scheduler.paused = True
+        return {"success": True, "message": f"paused ({mode})"}
+
+    def resume(self) -> dict:
+        self.scheduler.paused = False
+        return {"success": True, "message": "resumed"}
+
+    def _apply_pause_mode(self, mode: str) -> None:
+        if mode == "abort":
+            self.scheduler.abort_running(f"aborted: generation paused (mode {mode})")
+        elif mode == "retract":
+            self.scheduler.retract_all()
+
+    def flush_cache(self, timeout_s: float | None) -> dict:
+        """Drop every cached prefix once no request holds KV; waits up to timeout_s for that."""
+        sched = self.scheduler
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        sched.call(lambda: setattr(sched, "hold_admission", True)).result()
+        try:
+            while True:
+                state = sched.call(self._try_flush).result()
+                if state is None:
+                    return {"success": True, "message": "cache flushed"}
+                if sched.paused or (deadline is not None and time.monotonic() > deadline):
+                    return {"success": False, "message": state}
+                time.sleep(0.01)
+        finally:
+            sched.call(lambda: setattr(sched, "hold_admission", False)).result()
+
+    def _try_flush(self) -> str | None:
+        sched = self.scheduler
+        if sched.running:
+            return f"{len(sched.running)} running request(s) still hold KV"
+        sched.tree.reset()
+        self.runner.allocator.clear()
+        sched.check_integrity()
+        return None
+
+    # reads
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        slot = self.runner.weight_map.get(name)
+        if slot is None:
+            raise ValueError(f"unknown weight name {name!r}")
+        return self.scheduler.call(
+            lambda: slot.view[:truncate_size].float().cpu().tolist()).result()
+
+    # updates
+
+    def _next_version(self, requested: str | None) -> str:
+        if requested is None:
+            return str(max(next(self._auto), _as_int(self.version) + 1))
+        if not isinstance(requested, str) or not requested:
+            raise ValueError("weight_version must be a non-empty string")
+        return requested
+
+    def _validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+                  complete: bool) -> None:
+        required = self.runner.model.required_weight_names() if complete else ()
+        check_weights(self.runner.weight_map, meta, required)
+        if not meta:
+            raise ValueError("the update holds no tensors")
+
+    def update_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping,
+                           weight_version: str | None, flush_cache: bool,
+                           pause_mode: str) -> dict:
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
+                     else named_tensors)
+        if any(not isinstance(t, torch.Tensor) for _, t in items):
+            raise ValueError("named_tensors must hold torch.Tensor values")
+        names = [n for n, _ in items]
+        if len(set(names)) != len(names):
+            raise ValueError("named_tensors repeats a name")
+        self._validate({n: (tuple(t.shape), t.dtype) for n, t in items}, complete=False)
+        return self._commit(lambda: self._copy_in(items), weight_version, pause_mode)
+
+    def update_from_disk(self, model_path: str, weight_version: str | None, flush_cache: bool,
+                         pause_mode: str) -> dict:
+        self._validate(read_checkpoint_meta(model_path), complete=True)
+        return self._commit(lambda: self._copy_in(iter_checkpoint(model_path)), weight_version,
+                            pause_mode)
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int, group_name: str, backend: str) -> dict:
+        if group_name in self._groups:
+            raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+        self._groups[group_name] = ws_group.init_process_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend,
+            timeout_s=self.runner.config.weight_update_timeout_s, device=self.runner.device)
+        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
+
+    def destroy_group(self, group_name: str) -> dict:
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            return {"success": False, "message": f"no weight update group {group_name!r}"}
+        group.destroy()
+        return {"success": True, "message": f"destroyed {group_name!r}"}
+
+    def update_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                shapes: Sequence[Sequence[int]], group_name: str,
+                                weight_version: str | None, flush_cache: bool, pause_mode: str,
+                                load_format: str | None) -> dict:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}; "
+                             "call init_weights_update_group first")
+        check_load_format(load_format)
+        try:
+            if not (len(names) == len(dtypes) == len(shapes)):
+                raise ValueError("names, dtypes and shapes must have the same length")
+            if len(set(names)) != len(names):
+                raise ValueError("names repeats a name")
+            meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
+            self._validate(meta, complete=False)
+        except ValueError:
+            # Take part in the broadcast anyway so the sender finishes instead of timing out.
+            discard_tensors(group, names, dtypes, shapes, load_format)
+            raise
+
+        def apply() -> None:
+            into = {n: self.runner.weight_map[n].view for n, d in zip(names, dtypes)
+                    if self.runner.weight_map[n].view.dtype == str_to_dtype(d)}
+            with closing(receive_tensors(group, names, dtypes, shapes, load_format,
+                                         device=self.runner.device, into=into)) as received:
+                self._copy_in((n, t) for n, t in received if n not in into)
+
+        return self._commit(apply, weight_version, pause_mode)
+
+    def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in named:
+                self.runner.weight_map[name].view.copy_(tensor)
+
+    def _commit(self, apply: Callable[[], None], weight_version: str | None,
+                pause_mode: str) -> dict:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        version = self._next_version(weight_version)
+        return self.scheduler.call(lambda: self._commit_now(apply, version, pause_mode)).result()
+
+    def _commit_now(self, apply: Callable[[], None], version: str, pause_mode: str) -> dict:
+        """Scheduler thread: pause per mode, write, bump the version, retire old namespaces."""
+        sched = self.scheduler
+        start = time.perf_counter()
+        self._apply_pause_mode(pause_mode)
+        try:
+            apply()
+        except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
+            self.incomplete = f"update to version {version!r} failed while writing: {exc}"
+            sched.abort_running(self.incomplete)
+            sched.abort_waiting(self.incomplete)
+            return {"success": False, "message": self.incomplete, "weight_version": self.version}
+        self.version = version
+        self.incomplete = None
+        sched.tree.retire_where(lambda ns: ns.weight_version != version)
+        self.last_update_s = time.perf_counter() - start
+        return {"success": True, "message": f"updated to version {version!r}",
+                "weight_version": version}
+
+
+def _as_int(version: str) -> int:
+    return int(version) if version.isdigit() else 0
+
+
+def _dtype_or_none(name: Any) -> torch.dtype | None:
+    try:
+        return str_to_dtype(name)
+    except (ValueError, TypeError, KeyError):
+        return None

@@ -1,0 +1,132 @@
+"""Fixtures shared by the server tests: a tiny chat model with a real tokenizer, and a live server.
+
+The tokenizer is a byte-level BPE trained here on a few sentences, so the tests need no download:
+ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|> (the eos), as in SmolLM2, and the chat
+template is SmolLM2's ChatML layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from conftest import write_tiny_model
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A rollout engine samples many completions, and a trainer updates its weights.",
+    "Hello, how are you today? I am fine, thank you for asking.",
+    "Write a short poem about the sea, the wind and the stars at night.",
+    "JSON objects hold keys and values: {\"name\": \"hotswap\", \"version\": 1}.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation ! ? , . ; : ( ) [ ] { }",
+]
+TOKENIZER_VOCAB = 512
+
+
+def write_tokenizer(path: str) -> int:
+    """Train and save a small byte-level BPE tokenizer with a chat template; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>",
+                                   pad_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return len(fast)
+
+
+def write_tiny_chat_model(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny random Llama (hidden 64, 2 layers) whose vocabulary is the trained tokenizer's."""
+    vocab = write_tokenizer(path)
+    overrides = {"num_hidden_layers": 2, "max_position_embeddings": 256, **overrides}
+    write_tiny_model(path, "llama", seed=seed, vocab_size=vocab, **overrides)
+    with open(f"{path}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": 2, "bos_token_id": 1}, f)
+    return path
+
+
+class ServerThread:
+    """Serves an ASGI app with uvicorn in a daemon thread on a free localhost port."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def serve(engine, **app_kwargs) -> Iterator[ServerThread]:
+    from hotswap.engine.server import create_app
+
+    with ServerThread(create_app(engine, **app_kwargs)) as server:
+        yield server
+
+
+def trainer_main() -> None:
+    """A trainer process: pushes a checkpoint's weights into a remote engine over gloo, twice.
+
+    argv: url admin_key master_port checkpoint_dir. The first update (version v1) retracts
+    running requests, the second (v2), a second later, aborts them. Prints one JSON line.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from hotswap.engine import RemoteEngine
+    from hotswap.weight_sync import WeightSender
+
+    url, admin_key, port, ckpt = sys.argv[1:5]
+    remote = RemoteEngine(url, admin_key=admin_key)
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    sender = WeightSender("127.0.0.1", int(port), world_size=2, backend="gloo", timeout_s=60)
+    timings = []
+    for version, mode in (("v1", "retract"), ("v2", "abort")):
+        start = time.perf_counter()
+        replies = sender.send(tensors, [remote], weight_version=version, pause_mode=mode)
+        timings.append(time.perf_counter() - start)
+        assert replies[0]["success"], replies
+        # Perturb the weights so v2 differs from v1, and let requests run under v1 first.
+        tensors = {n: t + 0.01 * torch.randn_like(t) for n, t in tensors.items()}
+        time.sleep(1.0)
+    sender.close([remote])
+    print(json.dumps({"timings": timings, "version": remote.get_weight_version()}), flush=True)

@@ -1,0 +1,204 @@
+"""The triton backend's attention equals the torch reference backend's: decode, extend, mixed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA the kernels run under Triton's interpreter, which @triton.jit picks when the
+    # kernel module is imported, so the flag has to be set before that import below.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import random  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+
+from hotswap.engine.attention.torch_backend import TorchAttnBackend  # noqa: E402
+from hotswap.engine.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from hotswap.engine.forward_batch import ForwardBatch  # noqa: E402
+from hotswap.engine.memory import KVPool, ReqToTokenPool  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_LAYERS = 2
+LAYER = 1  # not 0, so a kernel that ignores the layer's buffers is caught
+
+
+@dataclass
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 1
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class Case:
+    pool: KVPool
+    req_to_token: torch.Tensor
+    fb: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def row_slots(seq_lens: list[int], page_size: int, rng: random.Random) -> list[list[int]]:
+    """Scattered slots per row: pages in shuffled order, tokens contiguous within a page."""
+    pages_per_row = [-(-n // page_size) for n in seq_lens]
+    pages = list(range(1, sum(pages_per_row) + 1))  # page 0 is the reserved zero page
+    rng.shuffle(pages)
+    slots, used = [], 0
+    for n_pages, n in zip(pages_per_row, seq_lens, strict=True):
+        mine = pages[used: used + n_pages]
+        used += n_pages
+        slots.append([pg * page_size + off for pg in mine for off in range(page_size)][:n])
+    return slots
+
+
+def make_case(shape: Shape, prefix_lens: list[int], extend_lens: list[int], seed: int = 0,
+              device: str = DEVICE, qkv_fused: bool = False) -> Case:
+    """A pool with random K/V in every row's prefix slots and random q/k/v for the new tokens."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    slots = row_slots(seq_lens, shape.page_size, rng)
+    num_pages = sum(-(-n // shape.page_size) for n in seq_lens)
+    kv_shape = (shape.num_kv_heads, shape.head_dim)
+    pool = KVPool(num_pages, shape.page_size, NUM_LAYERS, *kv_shape, shape.dtype, device)
+    for layer in range(NUM_LAYERS):
+        used = torch.tensor([s for row in slots for s in row])
+        for buf in (pool.k_buffers[layer], pool.v_buffers[layer]):
+            buf[used.to(device)] = torch.randn(used.numel(), *kv_shape, generator=gen).to(buf)
+    max_len = max(len(row) for row in slots)
+    table = ReqToTokenPool(len(slots) + 3, max_len + 5, device)
+    req_rows = list(range(len(slots) + 2, 2, -1))[: len(slots)]  # not 0..B-1, not in order
+    for req, row in zip(req_rows, slots, strict=True):
+        table.write(req, 0, torch.tensor(row))
+    new = [row[p:] for row, p in zip(slots, prefix_lens, strict=True)]
+    new_slots = torch.tensor([s for row in new for s in row])
+    # the new tokens' slots hold stale values until the backend stores k/v there
+    pool.k_buffers[LAYER][new_slots.to(device)] = 7.0
+    pool.v_buffers[LAYER][new_slots.to(device)] = -7.0
+    t = int(new_slots.numel())
+    fb = ForwardBatch.build([0] * t, new_slots, req_rows, prefix_lens, extend_lens, device=device)
+    hq, hkv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    qkv = torch.randn(t, hq + 2 * hkv, generator=gen).to(device=device, dtype=shape.dtype)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=-1)
+    if not qkv_fused:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return Case(pool, table.req_to_token, fb, q, k, v)
+
+
+def run_backend(cls: type, case: Case, shape: Shape) -> torch.Tensor:
+    backend = cls(case.pool, case.req_to_token, shape.num_heads, shape.num_kv_heads,
+                  shape.head_dim, shape.head_dim ** -0.5)
+    return run(backend, case)
+
+
+def run(backend, case: Case) -> torch.Tensor:
+    case.fb.attn_backend = backend
+    backend.init_forward_metadata(case.fb)
+    return backend.forward(case.q, case.k, case.v.contiguous(), LAYER, case.fb)
+
+
+def max_diff(case: Case, shape: Shape, backend: TritonAttnBackend | None = None) -> float:
+    """Triton output vs torch output on the same pool; triton runs first and stores the new K/V."""
+    got = run_backend(TritonAttnBackend, case, shape) if backend is None else run(backend, case)
+    loc = case.fb.out_cache_loc
+    stored = case.pool.k_buffers[LAYER][loc].reshape(case.k.shape)
+    assert torch.equal(stored, case.k)
+    want = run_backend(TorchAttnBackend, case, shape)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    return (got.float() - want.float()).abs().max().item()
+
+
+def fp32_reference(case: Case, shape: Shape) -> torch.Tensor:
+    """The torch backend in fp32 on the same (already rounded) pool contents and q/k/v."""
+    src = case.pool
+    pool = KVPool(src.num_pages, src.page_size, NUM_LAYERS, src.num_kv_heads, src.head_dim,
+                  torch.float32, src.device)
+    for dst, buf in zip(pool.k_buffers + pool.v_buffers, src.k_buffers + src.v_buffers,
+                        strict=True):
+        dst.copy_(buf.float())
+    ref = Case(pool, case.req_to_token, case.fb, case.q.float(), case.k.float(), case.v.float())
+    return run_backend(TorchAttnBackend, ref, shape)
+
+
+GQA_SHAPES = [
+    pytest.param(Shape(4, 2, 16), id="gqa2-d16-page1"),
+    pytest.param(Shape(4, 1, 32, page_size=4), id="gqa4-d32-page4"),
+    pytest.param(Shape(2, 2, 16, page_size=4), id="mha-d16-page4"),
+]
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES)
+@pytest.mark.parametrize("split_tokens", [256, 4], ids=["one-split", "split-k"])
+def test_decode_rows_of_different_lengths(shape: Shape, split_tokens: int):
+    prefix = [0, 4, 19, 33, 7]
+    case = make_case(shape, prefix, [1] * len(prefix))
+    backend = TritonAttnBackend(case.pool, case.req_to_token, shape.num_heads, shape.num_kv_heads,
+                                shape.head_dim, shape.head_dim ** -0.5)
+    backend.min_split_tokens = split_tokens
+    backend.init_forward_metadata(case.fb)
+    # the longest row has 34 keys: one split of 256, or nine of at most 4
+    assert case.fb.attn_metadata.decode.num_splits == (1 if split_tokens == 256 else 9)
+    assert max_diff(case, shape, backend) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES)
+def test_extend_prompt_split_at_several_points(shape: Shape):
+    # one 37-token prompt per row, its prefix cached up to a different point in each row; with
+    # the interpreter's 16-token tiles the 0-prefix row spans three query tiles
+    prefix = [0, 3, 11, 16, 30]
+    case = make_case(shape, prefix, [37 - p for p in prefix])
+    assert max_diff(case, shape) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES)
+def test_mixed_decode_and_extend_rows(shape: Shape):
+    prefix = [12, 0, 5, 20, 1, 9]
+    extend = [1, 6, 1, 18, 2, 1]
+    case = make_case(shape, prefix, extend)
+    assert max_diff(case, shape) <= 1e-4
+
+
+def test_strided_q_from_fused_qkv():
+    shape = Shape(4, 2, 16)
+    case = make_case(shape, [3, 0, 8], [1, 5, 2], qkv_fused=True)
+    assert not case.q.is_contiguous()
+    assert max_diff(case, shape) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_pools(dtype: torch.dtype):
+    shape = Shape(4, 2, 16, page_size=4, dtype=dtype)
+    case = make_case(shape, [0, 7, 13], [9, 1, 4], seed=1)
+    got = run_backend(TritonAttnBackend, case, shape)
+    assert got.dtype == dtype
+    # half an ulp of output rounding is up to 1.6e-2 at |out| in [4, 8); GPU dots also round p
+    assert (got.float() - fp32_reference(case, shape)).abs().max().item() <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_realistic_shapes_bf16(page_size: int):
+    """SmolLM2-like heads (9 q / 3 kv, head_dim 64) in bf16, against the fp32 torch reference."""
+    shape = Shape(9, 3, 64, page_size=page_size, dtype=torch.bfloat16)
+    rng = random.Random(0)
+    batches = {
+        "decode": ([rng.randrange(1, 3000) for _ in range(48)], [1] * 48),
+        "extend": ([0, 100, 517, 1000, 2047], [700, 64, 300, 2, 129]),
+        "mixed": ([rng.randrange(0, 2000) for _ in range(24)],
+                  [rng.choice([1, 1, 1, 37, 200]) for _ in range(24)]),
+    }
+    for name, (prefix, extend) in batches.items():
+        case = make_case(shape, prefix, extend, device="cuda")
+        got = run_backend(TritonAttnBackend, case, shape).float()
+        err = (got - fp32_reference(case, shape)).abs()
+        # bf16 rounding of the output and of p bounds single errors; a real bug moves the mean
+        assert err.max().item() <= 5e-2, f"{name}: max abs diff {err.max().item()}"
+        assert err.mean().item() <= 4e-3, f"{name}: mean abs diff {err.mean().item()}"

@@ -1,0 +1,212 @@
+"""Trainer side: WeightSender tells every target to receive (RPC) and broadcasts as rank 0.
+
+A target is anything with the engine's weight methods (init_weights_update_group,
+update_weights_from_distributed, destroy_weights_update_group): an in-process Engine or a
+RemoteEngine over HTTP. Each target takes one rank: target i is rank 1 + i.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hotswap.weight_sync.bucket import bucket_header, dtype_to_str, flatten, plan_buckets
+from hotswap.weight_sync.group import (
+    DEFAULT_TIMEOUT_S,
+    WeightGroup,
+    WeightSyncError,
+    init_process_group,
+    resolve_backend,
+)
+from hotswap.weight_sync.receiver import check_load_format
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class _Call(threading.Thread):
+    """One RPC in a daemon thread, so a target that never answers cannot block exit."""
+
+    def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.kwargs = fn, kwargs
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(**self.kwargs)
+        except BaseException as err:
+            self.error = err
+
+    def failure(self, deadline: float) -> str | None:
+        """Why the call failed (None: it succeeded), waiting for it until deadline (monotonic)."""
+        self.join(max(0.0, deadline - time.monotonic()))
+        if self.is_alive():
+            return "no answer in time"
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        if not isinstance(self.result, Mapping):
+            return f"unexpected reply {self.result!r}"
+        if not self.result.get("success"):
+            return str(self.result.get("message", "failed without a message"))
+        return None
+
+
+class WeightSender:
+    """Rank 0 of a weight-update group; the targets hold ranks 1..world_size-1."""
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "auto",
+        bucket_bytes: int = 512 << 20,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if world_size < 2:
+            raise ValueError(f"world_size must count the trainer and its targets, got {world_size}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        resolve_backend(backend)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.world_size = world_size
+        self.group_name = group_name
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.group: WeightGroup | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.group is not None and self.group.alive
+
+    def connect(self, targets: Sequence[Any], device: torch.device | str | None = None) -> None:
+        """Creates the group with every target at once (each joins from its own RPC thread)."""
+        if self.connected:
+            return
+        targets = list(targets)
+        if 1 + len(targets) != self.world_size:
+            raise ValueError(f"world_size {self.world_size} needs {self.world_size - 1} targets "
+                             f"(one rank each), got {len(targets)}")
+        backend = resolve_backend(self.backend, device)
+        calls = [
+            _Call(t.init_weights_update_group, master_address=self.master_address,
+                  master_port=self.master_port, rank_offset=1 + i, world_size=self.world_size,
+                  group_name=self.group_name, backend=backend)
+            for i, t in enumerate(targets)
+        ]
+        try:
+            group = init_process_group(self.master_address, self.master_port, 0, self.world_size,
+                                       self.group_name, backend, self.timeout_s)
+        except Exception as err:
+            failures = _failures(calls, targets, self.timeout_s)
+            raise WeightSyncError(f"creating group {self.group_name!r} failed: {err}; "
+                                  f"targets: {failures}", failures) from err
+        failures = _failures(calls, targets, self.timeout_s)
+        if failures:
+            group.destroy()
+            raise WeightSyncError(f"targets failed to join {self.group_name!r}: {failures}",
+                                  failures)
+        self.group = group
+
+    def send(
+        self,
+        named_tensors: NamedTensors,
+        targets: Sequence[Any],
+        weight_version: str | None = None,
+        load_format: str | None = "flattened_bucket",
+        flush_cache: bool = True,
+        pause_mode: str = "retract",
+    ) -> list[dict]:
+        """Returns every target's reply once all applied the update; raises WeightSyncError
+        naming each target that did not. Tensors travel in the trainer's dtypes."""
+        check_load_format(load_format)
+        tensors = _as_list(named_tensors)
+        targets = list(targets)
+        self.connect(targets, tensors[0][1].device if tensors else None)
+        assert self.group is not None
+        calls = [
+            _Call(t.update_weights_from_distributed, names=[n for n, _ in tensors],
+                  dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
+                  shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
+                  weight_version=weight_version, flush_cache=flush_cache,
+                  pause_mode=pause_mode, load_format=load_format)
+            for t in targets
+        ]
+        try:
+            self._broadcast(tensors, load_format)
+        except WeightSyncError as err:
+            # The group is out of step now; drop every side so the next send starts afresh.
+            self.group.destroy()
+            failures = _failures(calls, targets, self.timeout_s)
+            self._destroy_targets(targets)
+            raise WeightSyncError(f"broadcast failed: {err}; targets: {failures}",
+                                  failures) from err
+        failures = _failures(calls, targets, self.timeout_s)
+        if failures:
+            raise WeightSyncError(f"update {weight_version!r} failed on {failures}", failures)
+        return [call.result for call in calls]
+
+    def close(self, targets: Sequence[Any]) -> None:
+        """Destroys the group on every target and here."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        failures = self._destroy_targets(list(targets))
+        if failures:
+            raise WeightSyncError(f"destroying {self.group_name!r} failed on {failures}",
+                                  failures)
+
+    def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
+        assert self.group is not None
+        device = self.group.device
+        with torch.no_grad():
+            if load_format is None:
+                for _, tensor in tensors:
+                    self.group.broadcast(tensor.detach().to(device).contiguous())
+                return
+            by_name = dict(tensors)
+            specs = [(n, x.dtype, tuple(x.shape)) for n, x in tensors]
+            buckets = plan_buckets(specs, self.bucket_bytes)
+            self.group.broadcast(bucket_header(buckets, len(tensors)).to(device))
+            for bucket in buckets:
+                parts = [by_name[s.name].detach().to(device) for s in bucket.specs]
+                self.group.broadcast(flatten(parts).contiguous())
+
+    def _destroy_targets(self, targets: list[Any]) -> dict[str, str]:
+        calls = [_Call(t.destroy_weights_update_group, group_name=self.group_name)
+                 for t in targets]
+        return _failures(calls, targets, self.timeout_s)
+
+
+def _as_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    tensors = [(name, tensor) for name, tensor in items]
+    if not tensors:
+        raise ValueError("no tensors to send")
+    if len({name for name, _ in tensors}) != len(tensors):
+        raise ValueError("tensor names must be unique")
+    for name, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        dtype_to_str(tensor.dtype)
+    return tensors
+
+
+def _failures(calls: list[_Call], targets: list[Any], timeout_s: float) -> dict[str, str]:
+    """{target i (repr): why} for each call that failed; waits timeout_s in all at most."""
+    deadline = time.monotonic() + timeout_s
+    failures = {}
+    for i, (call, target) in enumerate(zip(calls, targets, strict=True)):
+        why = call.failure(deadline)
+        if why is not None:
+            failures[f"target {i} ({target!r})"] = why
+    return failures
