@@ -458,31 +458,40 @@ def _ban(x: torch.Tensor, ban_index: torch.Tensor, grammar_masked: bool) -> None
         flat[ban_index[lift]] = saved[lift]
 
 
-class _Mass(NamedTuple):
-    """exp(x - max) of some rows and its 128-token block masses: the two-level CDF."""
-
-    shift: torch.Tensor  # [n, 1] float32 row max
-    weights: torch.Tensor  # [n, nb, BLOCK] float32, zero-padded past the vocabulary
-    block_mass: torch.Tensor  # [n, nb] float32
-    cum: torch.Tensor  # [n, nb] float64 cumulative block mass
-    total: torch.Tensor  # [n] float64
-
-    @property
-    def lse(self) -> torch.Tensor:  # [n] float64 log-sum-exp of the rows
-        return self.shift.squeeze(1).double() + self.total.log()
-
-
-def _mass(x: torch.Tensor) -> _Mass:
-    shift = x.amax(dim=-1, keepdim=True)
-    w = torch.exp(x - shift)
-    pad = (-w.shape[1]) % BLOCK
+def _blocks(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """[n, V] -> [n, nb, BLOCK], padding the last block with `fill` (a copy only when needed)."""
+    pad = (-x.shape[1]) % BLOCK
     if pad:
-        w = F.pad(w, (0, pad))
-    blocks = w.view(w.shape[0], -1, BLOCK)
-    # Reduce within blocks only, so each row's sums never depend on how many rows there are.
-    block_mass = blocks.sum(dim=-1)
-    cum = block_mass.double().cumsum(dim=-1)
-    return _Mass(shift, blocks, block_mass, cum, cum[:, -1])
+        x = F.pad(x, (0, pad), value=fill)
+    return x.view(x.shape[0], -1, BLOCK)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """First index of each row's max: the best block by its max, then the best in that block
+    (torch's argmax over the whole row is not vectorised on CPU and costs 10x more)."""
+    blocks = _blocks(x, -math.inf)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)
+    rows = torch.arange(x.shape[0], device=x.device)
+    return best_block * BLOCK + blocks[rows, best_block].argmax(dim=-1)
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted top-k values and ids. For small k only the k blocks with the largest maxima can
+    hold the top k, so the full topk runs over k * BLOCK candidates instead of the vocabulary."""
+    if k * BLOCK * 4 > x.shape[1]:
+        return x.topk(k, dim=-1)
+    blocks = _blocks(x, -math.inf)
+    best_blocks = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [n, k]
+    cand = blocks.gather(1, best_blocks.unsqueeze(2).expand(-1, -1, BLOCK)).flatten(1)
+    values, pos = cand.topk(k, dim=-1)
+    ids = best_blocks.gather(1, pos // BLOCK) * BLOCK + pos % BLOCK
+    return values, ids
+
+
+def _lse(x: torch.Tensor, probs: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """[n] float64 log-sum-exp from softmax's own normaliser: p(argmax) = exp(max - lse)."""
+    at = argmax.unsqueeze(1)
+    return (x.gather(1, at).double() - probs.gather(1, at).double().log()).squeeze(1)
 
 
 def _below(bound: torch.Tensor) -> torch.Tensor:
@@ -490,38 +499,48 @@ def _below(bound: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(bound, torch.zeros_like(bound))
 
 
-def _inverse_cdf(m: _Mass, u: torch.Tensor) -> torch.Tensor:
-    """Token ids at uniforms u [n] float64: pick a block by its mass, then a token in it."""
-    n = u.shape[0]
-    target = torch.minimum(u * m.total, _below(m.total)).unsqueeze(1)
-    block = torch.searchsorted(m.cum, target, right=True)  # [n, 1]
-    prev = torch.where(block > 0, m.cum.gather(1, (block - 1).clamp(min=0)), 0.0)
-    frac = (target - prev) / m.block_mass.gather(1, block).double()
-    inner = m.weights[torch.arange(n, device=u.device), block.squeeze(1)].double().cumsum(-1)
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids at uniforms u [n] float64: a block by its mass, then a token inside it. Every
+    sum is within a block or along one row, so a row's draw never depends on other rows."""
+    blocks = _blocks(probs, 0.0)
+    block_mass = blocks.sum(dim=-1)  # [n, nb] float32
+    cum = block_mass.double().cumsum(dim=-1)
+    total = cum[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, _below(total))
+    block = torch.searchsorted(cum, target, right=True)  # [n, 1]
+    prev = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)
+    frac = (target - prev) / block_mass.gather(1, block).double()
+    rows = torch.arange(u.shape[0], device=u.device)
+    inner = blocks[rows, block.squeeze(1)].double().cumsum(dim=-1)
     inner_target = torch.minimum(frac * inner[:, -1:], _below(inner[:, -1:]))
     pos = torch.searchsorted(inner, inner_target, right=True)
     return (block * BLOCK + pos).squeeze(1)
 
 
-def _top(x: torch.Tensor, lse: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    values, ids = x.topk(min(k, x.shape[1]), dim=-1)
-    return ids, (values.double() - lse.unsqueeze(1)).float()
+def _logprobs(
+    x: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor, top_k: int
+) -> _GroupResult:
+    chosen = x.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    logprobs = (chosen.double() - lse).float()
+    if not top_k:
+        return _GroupResult(tokens, logprobs, None, None)
+    values, ids = _topk(x, top_k)
+    return _GroupResult(tokens, logprobs, ids, (values.double() - lse.unsqueeze(1)).float())
 
 
 def _whole_vocab(
     x: torch.Tensor, u: torch.Tensor | None, return_logprob: bool, top_k: int
 ) -> _GroupResult:
     """Greedy rows (u is None: argmax) or rows sampled over the whole vocabulary."""
-    if u is None and not return_logprob:
-        return _GroupResult(x.argmax(dim=-1), None, None, None)
-    m = _mass(x)
-    tokens = x.argmax(dim=-1) if u is None else _inverse_cdf(m, u)
+    greedy = u is None
+    if greedy and not return_logprob:
+        return _GroupResult(_argmax(x), None, None, None)
+    probs = torch.softmax(x, dim=-1)
+    argmax = _argmax(x) if greedy or return_logprob else None
+    tokens = argmax if greedy else _inverse_cdf(probs, u)
     if not return_logprob:
         return _GroupResult(tokens, None, None, None)
-    chosen = x.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    logprobs = (chosen.double() - m.lse).float()
-    top_ids, top_values = _top(x, m.lse, top_k) if top_k else (None, None)
-    return _GroupResult(tokens, logprobs, top_ids, top_values)
+    return _logprobs(x, _lse(x, probs, argmax), tokens, top_k)
 
 
 def _round16(k: int, vocab: int) -> int:
@@ -530,51 +549,17 @@ def _round16(k: int, vocab: int) -> int:
     return min(vocab, -(-k // 16) * 16)
 
 
-class _Candidates(NamedTuple):
-    values: torch.Tensor  # [n, K] processed logits, descending
-    ids: torch.Tensor  # [n, K]
-    cum: torch.Tensor  # [n, K] float64 cumulative exp(values - values[:, 0])
-    keep: torch.Tensor  # [n] int64 tokens kept by top_k / top_p / min_p (a prefix of the slice)
+class _Limits(NamedTuple):
+    """Truncation settings and draws of some truncated rows."""
 
+    top_k: torch.Tensor  # [n] int64, vocab_size where off
+    top_p: torch.Tensor  # [n] float64
+    min_p: torch.Tensor  # [n] float64
+    full_mass: torch.Tensor | None  # [n] float64 sum of exp(x - max) over the whole vocabulary
+    u: torch.Tensor  # [n] float64
 
-def _candidates(
-    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-    full_mass: torch.Tensor | None, width: int,
-) -> _Candidates:
-    """The smallest topk slice (starting at `width`, growing 8x) that holds every row's kept
-    set; the kept set is the same for any width that holds it, so batch-mates cannot change it."""
-    vocab = x.shape[1]
-    has_top_k = top_k < vocab
-    while True:
-        values, ids = x.topk(width, dim=-1)
-        weights = torch.exp(values - values[:, :1]).double()
-        cum = weights.cumsum(dim=-1)
-        keep = _kept(values, cum, weights, top_k, top_p, min_p, vocab, full_mass)
-        if width == vocab or bool(((keep < width) | has_top_k).all()):
-            return _Candidates(values, ids, cum, keep)
-        width = _round16(width * 8, vocab)
-
-
-def _kept(
-    values: torch.Tensor, cum: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor,
-    top_p: torch.Tensor, min_p: torch.Tensor, vocab: int, full_mass: torch.Tensor | None,
-) -> torch.Tensor:
-    """How many of the slice's tokens survive top_k, then top_p, then min_p (each keeps a
-    prefix of the descending slice, so the survivors are the shortest of the three prefixes)."""
-    width = values.shape[1]
-    keep_k = top_k.clamp(max=width)
-    # top_p is over the top_k-renormalised distribution, or the whole vocabulary without top_k.
-    norm = cum.gather(1, (keep_k - 1).unsqueeze(1)).squeeze(1)
-    if full_mass is not None:
-        norm = torch.where(top_k < vocab, norm, full_mass)
-    before = F.pad(cum[:, :-1], (1, 0))  # mass strictly before each position
-    keep_p = (before < (top_p * norm).unsqueeze(1)).sum(dim=-1)
-    keep_p = torch.where(top_p < 1.0, keep_p, width)
-    floor = values[:, :1].double() + min_p.log().unsqueeze(1)
-    keep_min_p = (values >= floor).sum(dim=-1)
-    positive = (weights > 0).sum(dim=-1)
-    keep = torch.minimum(torch.minimum(keep_k, keep_p), torch.minimum(keep_min_p, positive))
-    return keep.clamp(min=1)
+    def take(self, rows: torch.Tensor) -> _Limits:
+        return _Limits(*(None if t is None else t.index_select(0, rows) for t in self))
 
 
 def _truncated(
@@ -582,36 +567,88 @@ def _truncated(
     return_logprob: bool, top_k: int,
 ) -> _GroupResult:
     """Rows with top_k / top_p / min_p: the inverse CDF over the kept prefix of a topk slice."""
+    full_mass = None
+    if info.truncated_need_full_mass:  # sum of exp(x - max) = 1 / p(argmax)
+        probs = torch.softmax(x, dim=-1)
+        full_mass = probs.gather(1, _argmax(x).unsqueeze(1)).squeeze(1).double().reciprocal()
+    limits = _Limits(group.take(info.top_ks), group.take(info.top_ps), group.take(info.min_ps),
+                     full_mass, u)
+    width = _round16(max(MIN_CANDIDATES, info.max_top_k, top_k), x.shape[1])
+    return _sample_slice(x, limits, width, return_logprob, top_k)
+
+
+def _sample_slice(
+    x: torch.Tensor, lim: _Limits, width: int, return_logprob: bool, top_k: int
+) -> _GroupResult:
+    """Sample from the topk slice of `width`; rows whose kept set may reach past it go again,
+    alone, with a slice 8x wider (or the whole sorted vocabulary). The kept set and the draw
+    are the same at any width that holds the set, so batch-mates, which set the starting
+    width, change nothing."""
     vocab = x.shape[1]
-    full_mass = _mass(x).total if info.truncated_need_full_mass else None
-    width = _round16(max(MIN_CANDIDATES, info.max_top_k, top_k), vocab)
-    c = _candidates(x, group.take(info.top_ks), group.take(info.top_ps),
-                    group.take(info.min_ps), full_mass, width)
-    kept_mass = c.cum.gather(1, (c.keep - 1).unsqueeze(1))  # [n, 1]
+    values, ids = _topk(x, width)
+    weights = torch.exp(values - values[:, :1]).double()
+    cum = weights.cumsum(dim=-1)
+    keep = _kept(values, cum, weights, lim, vocab)
+    result = _draw_from_slice(values, ids, cum, keep, lim.u, return_logprob, top_k)
+    if width == vocab:
+        return result
+    spill = (keep >= width) & (lim.top_k >= vocab)
+    if bool(spill.any()):
+        rows = spill.nonzero().squeeze(1)
+        wider = _round16(width * 8, vocab) if width * 32 < vocab else vocab
+        redo = _sample_slice(x[rows], lim.take(rows), wider, return_logprob, top_k)
+        for dst, src in zip(result, redo, strict=True):
+            if dst is not None:
+                dst.index_copy_(0, rows, src)
+    return result
+
+
+def _kept(
+    values: torch.Tensor, cum: torch.Tensor, weights: torch.Tensor, lim: _Limits, vocab: int
+) -> torch.Tensor:
+    """How many of the slice's tokens survive top_k, then top_p, then min_p (each keeps a
+    prefix of the descending slice, so the survivors are the shortest of the three prefixes)."""
+    width = values.shape[1]
+    keep_k = lim.top_k.clamp(max=width)
+    # top_p is over the top_k-renormalised distribution, or the whole vocabulary without top_k.
+    norm = cum.gather(1, (keep_k - 1).unsqueeze(1)).squeeze(1)
+    if lim.full_mass is not None:
+        norm = torch.where(lim.top_k < vocab, norm, lim.full_mass)
+    before = F.pad(cum[:, :-1], (1, 0))  # mass strictly before each position
+    keep_p = (before < (lim.top_p * norm).unsqueeze(1)).sum(dim=-1)
+    keep_p = torch.where(lim.top_p < 1.0, keep_p, width)
+    floor = values[:, :1].double() + lim.min_p.log().unsqueeze(1)
+    keep_min_p = (values >= floor).sum(dim=-1)
+    positive = (weights > 0).sum(dim=-1)
+    keep = torch.minimum(torch.minimum(keep_k, keep_p), torch.minimum(keep_min_p, positive))
+    return keep.clamp(min=1)
+
+
+def _draw_from_slice(
+    values: torch.Tensor, ids: torch.Tensor, cum: torch.Tensor, keep: torch.Tensor,
+    u: torch.Tensor, return_logprob: bool, top_k: int,
+) -> _GroupResult:
+    kept_mass = cum.gather(1, (keep - 1).unsqueeze(1))  # [n, 1]
     target = torch.minimum(u.unsqueeze(1) * kept_mass, _below(kept_mass))
-    pos = torch.searchsorted(c.cum, target, right=True)
-    tokens = c.ids.gather(1, pos).squeeze(1)
+    pos = torch.searchsorted(cum, target, right=True)
+    tokens = ids.gather(1, pos).squeeze(1)
     if not return_logprob:
         return _GroupResult(tokens, None, None, None)
-    lse = c.values[:, :1].double() + kept_mass.log()
-    logprobs = (c.values.gather(1, pos).double() - lse).squeeze(1).float()
+    lse = values[:, :1].double() + kept_mass.log()
+    logprobs = (values.gather(1, pos).double() - lse).squeeze(1).float()
     if not top_k:
         return _GroupResult(tokens, logprobs, None, None)
-    k = min(top_k, vocab)
-    top_values = (c.values[:, :k].double() - lse).float()
-    past_support = torch.arange(k, device=x.device).unsqueeze(0) >= c.keep.unsqueeze(1)
+    top_values = (values[:, :top_k].double() - lse).float()
+    past_support = torch.arange(top_k, device=values.device).unsqueeze(0) >= keep.unsqueeze(1)
     top_values = top_values.masked_fill(past_support, -math.inf)
-    return _GroupResult(tokens, logprobs, c.ids[:, :k], top_values)
+    return _GroupResult(tokens, logprobs, ids[:, :top_k].contiguous(), top_values)
 
 
 def _raw(logits: torch.Tensor, group: RowGroup, tokens: torch.Tensor, top_k: int) -> _GroupResult:
     """Logprobs of the unprocessed logits at the chosen tokens, for logprob_mode="raw" rows."""
     x = group.take(logits.float())
-    tokens = group.take(tokens)
-    lse = _mass(x).lse
-    logprobs = (x.gather(1, tokens.unsqueeze(1)).squeeze(1).double() - lse).float()
-    top_ids, top_values = _top(x, lse, top_k) if top_k else (None, None)
-    return _GroupResult(tokens, logprobs, top_ids, top_values)
+    lse = _lse(x, torch.softmax(x, dim=-1), _argmax(x))
+    return _logprobs(x, lse, group.take(tokens), top_k)
 
 
 def _put(dst: torch.Tensor | None, group: RowGroup, src: torch.Tensor | None) -> None:

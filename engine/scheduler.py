@@ -238,6 +238,7 @@ class Scheduler:
                 continue
             if not self.kv.admit(req, self.namespace(req)):
                 break
+            cached = req.kv_len
             row = self._plan_prefill(adder, req, may_chunk=not chunking, new=True)
             if row is None:
                 self.kv.release(req, live=False)
@@ -246,7 +247,7 @@ class Scheduler:
             self.running.append(req)
             self._admit_counter += 1
             req.admit_seq = self._admit_counter
-            self.stats["cached_tokens"] += req.kv_len
+            self.stats["cached_tokens"] += cached
             rows.append(row)
             chunking = chunking or not row.samples
         return rows

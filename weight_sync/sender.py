@@ -93,9 +93,7 @@ class WeightSender:
         if self.connected:
             return
         targets = list(targets)
-        if 1 + len(targets) != self.world_size:
-            raise ValueError(f"world_size {self.world_size} needs {self.world_size - 1} targets "
-                             f"(one rank each), got {len(targets)}")
+        self._check_targets(targets)
         backend = resolve_backend(self.backend, device)
         calls = [
             _Call(t.init_weights_update_group, master_address=self.master_address,
@@ -131,7 +129,8 @@ class WeightSender:
         check_load_format(load_format)
         tensors = _as_list(named_tensors)
         targets = list(targets)
-        self.connect(targets, tensors[0][1].device if tensors else None)
+        self._check_targets(targets)
+        self.connect(targets, tensors[0][1].device)
         assert self.group is not None
         calls = [
             _Call(t.update_weights_from_distributed, names=[n for n, _ in tensors],
@@ -143,7 +142,7 @@ class WeightSender:
         ]
         try:
             self._broadcast(tensors, load_format)
-        except WeightSyncError as err:
+        except Exception as err:
             # The group is out of step now; drop every side so the next send starts afresh.
             self.group.destroy()
             failures = _failures(calls, targets, self.timeout_s)
@@ -164,6 +163,11 @@ class WeightSender:
         if failures:
             raise WeightSyncError(f"destroying {self.group_name!r} failed on {failures}",
                                   failures)
+
+    def _check_targets(self, targets: list[Any]) -> None:
+        if 1 + len(targets) != self.world_size:
+            raise ValueError(f"world_size {self.world_size} needs {self.world_size - 1} targets "
+                             f"(one rank each), got {len(targets)}")
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
         assert self.group is not None

@@ -1,0 +1,120 @@
+"""Throughput: hotswap vs HF transformers `generate` on the same model, workloads and machine.
+
+python bench/throughput.py [--workloads a,b,c] [--repeats 1] [--skip-hf]
+(a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
+(c) a ~1,000-token shared system prompt + 64 short questions x 32 new tokens.
+Sampling at temperature 1.0, eos ignored on both sides so every request makes its full length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import transformers
+
+from hotswap.engine import Engine
+from hotswap.engine.models.fetch import ensure_model
+
+TOPICS = ["the ocean", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "music",
+          "glaciers", "rivers", "owls", "clocks", "maps", "tea", "bridges", "deserts"]
+STYLES = ["a short poem about", "three facts about", "a story opening about",
+          "a simple explanation of"]
+
+
+def chat_prompts(tokenizer, n: int, system: str | None = None) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Write {STYLES[i % 4]} {TOPICS[i % 16]}, "
+                                            f"variation {i}."}]
+        if system:
+            msgs.insert(0, {"role": "system", "content": system})
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def long_system_prompt(tokenizer, tokens: int = 1000) -> str:
+    sentence = ("You are a careful assistant for a science museum; answer visitors' questions "
+                "accurately, kindly and briefly, and say so when you are unsure. ")
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += sentence
+    return text
+
+
+def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, int]]:
+    """name -> (distinct prompts, samples per prompt, new tokens)."""
+    all_ = {
+        "a": (chat_prompts(tokenizer, 64), 1, 64),
+        "b": (chat_prompts(tokenizer, 8), 8, 64),
+        "c": (chat_prompts(tokenizer, 64, long_system_prompt(tokenizer)), 1, 32),
+    }
+    return {k: v for k, v in all_.items() if k in chosen.split(",")}
+
+
+def run_hotswap(engine: Engine, prompts: list[list[int]], n: int, new: int) -> dict:
+    before = dict(engine.scheduler.stats)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": new, "n": n, "temperature": 1.0, "ignore_eos": True})
+    elapsed = time.perf_counter() - start
+    after = engine.scheduler.stats
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens,
+            "prefill_computed": after["prefill_tokens"] - before["prefill_tokens"],
+            "prompt_submitted": after["prompt_tokens"] - before["prompt_tokens"]}
+
+
+def run_hf(model, prompts: list[list[int]], n: int, new: int, pad_id: int) -> dict:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                             temperature=1.0, top_k=0, max_new_tokens=new, min_new_tokens=new,
+                             num_return_sequences=n, pad_token_id=pad_id, eos_token_id=None)
+    elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * out.shape[0]
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--workloads", default="a,b,c")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    path = ensure_model(args.model_path)
+    engine = Engine(path, dtype="float32")
+    tokenizer = engine.tokenizer
+    hf = None if args.skip_hf else transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    print(f"torch threads: {torch.get_num_threads()}, model: {path}")
+    print(f"{'workload':<10}{'hotswap tok/s':>15}{'HF tok/s':>12}{'ratio':>8}"
+          f"{'prefill computed / submitted':>32}")
+    for name, (prompts, n, new) in workloads(tokenizer, args.workloads).items():
+        ours = [run_hotswap(engine, prompts, n, new) for _ in range(args.repeats)]
+        engine.flush_cache()
+        ours_med = statistics.median(r["tok_s"] for r in ours)
+        hf_med = float("nan")
+        if hf is not None:
+            hf_med = statistics.median(run_hf(hf, prompts, n, new, pad)["tok_s"]
+                                       for _ in range(args.repeats))
+        unique = len({t for p in prompts for t in enumerate(p)})
+        r = ours[0]
+        print(f"{name:<10}{ours_med:>15.1f}{hf_med:>12.1f}{ours_med / hf_med:>8.2f}"
+              f"{r['prefill_computed']:>14} / {r['prompt_submitted']:<8} (unique ~{unique})")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS: {rss:.0f} MiB")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""RemoteEngine: the Engine's methods over HTTP, against `python -m hotswap.engine.server`.
+
+It duck-types as an Engine for the trainer side: WeightSender calls
+`update_weights_from_distributed` from its own thread (the call blocks until the server has
+received and applied the broadcast) while it broadcasts, so one client is shared across threads
+(httpx clients are thread-safe). Errors come back as the in-process API raises them: 400 ->
+ValueError with the server's message, 401 -> PermissionError, other failures -> RemoteEngineError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+_GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
+                    "top_logprobs_num", "lora_name", "cache_salt", "rid")
+
+
+class RemoteEngineError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class RemoteEngine:
+    def __init__(self, url: str, api_key: str | None = None, admin_key: str | None = None,
+                 timeout_s: float | None = None, connect_timeout_s: float = 10.0):
+        """timeout_s: per-request read limit (None: wait as long as generation takes)."""
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.admin_key = admin_key
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._client = httpx.Client(base_url=self.url, timeout=self._timeout)
+        self._async: dict[int, httpx.AsyncClient] = {}  # one per event loop
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.url!r})"
+
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Closes this client's connections; the server keeps running."""
+        self._client.close()
+        self._async.clear()
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        key = (self.admin_key or self.api_key) if admin else (self.api_key or self.admin_key)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              admin: bool = False) -> Any:
+        response = self._client.request(method, path, json=body, headers=self._headers(admin))
+        _raise_for_error(response.status_code, response.content)
+        return response.json()
+
+    def _post_control(self, path: str, **body: Any) -> Any:
+        return self._call("POST", path, body, admin=True)
+
+    # generation
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict] | list[list[dict]] | None = None,
+                 sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
+                 cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
+                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+        body = _generate_body(locals())
+        if stream:
+            return self._stream(body)
+        return self._call("POST", "/generate", body)
+
+    def _stream(self, body: dict[str, Any]) -> Iterator[dict]:
+        with self._client.stream("POST", "/generate", json={**body, "stream": True},
+                                 headers=self._headers(False)) as response:
+            if response.status_code != 200:
+                _raise_for_error(response.status_code, response.read())
+            for line in response.iter_lines():
+                event = _sse_event(line)
+                if event is _DONE:
+                    return
+                if event is not None:
+                    yield event
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None,
+                             messages: list[dict] | list[list[dict]] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             return_logprob: bool = False, top_logprobs_num: int = 0,
+                             lora_name: str | list[str] | None = None,
+                             cache_salt: str | list[str] | None = None,
+                             rid: str | list[str] | None = None,
+                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+        body = _generate_body(locals())
+        if stream:
+            return self._astream(body)
+        response = await self._async_client().post("/generate", json=body,
+                                                    headers=self._headers(False))
+        _raise_for_error(response.status_code, response.content)
+        return response.json()
+
+    async def _astream(self, body: dict[str, Any]) -> AsyncIterator[dict]:
+        client = self._async_client()
+        async with client.stream("POST", "/generate", json={**body, "stream": True},
+                                 headers=self._headers(False)) as response:
+            if response.status_code != 200:
+                _raise_for_error(response.status_code, await response.aread())
+            async for line in response.aiter_lines():
+                event = _sse_event(line)
+                if event is _DONE:
+                    return
+                if event is not None:
+                    yield event
+
+    def _async_client(self) -> httpx.AsyncClient:
+        # An AsyncClient belongs to the loop it first ran on.
+        loop = id(asyncio.get_running_loop())
+        if loop not in self._async:
+            self._async[loop] = httpx.AsyncClient(
+                base_url=self.url, timeout=self._timeout,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._async[loop]
+
+    # state and control
+
+    def health(self) -> dict:
+        return self._call("GET", "/health")
+
+    def get_weight_version(self) -> str:
+        return self._call("GET", "/get_weight_version")["weight_version"]
+
+    def get_metrics(self) -> str:
+        response = self._client.get("/metrics", headers=self._headers(False))
+        _raise_for_error(response.status_code, response.content)
+        return response.text
+
+    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> dict:
+        raise NotImplementedError("tensors do not travel over HTTP: use a WeightSender "
+                                  "(update_weights_from_distributed) or update_weights_from_disk")
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 flush_cache: bool = True, pause_mode: str = "retract") -> dict:
+        return self._post_control("/update_weights_from_disk", model_path=model_path,
+                                  weight_version=weight_version, flush_cache=flush_cache,
+                                  pause_mode=pause_mode)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "auto") -> dict:
+        return self._post_control("/init_weights_update_group", master_address=master_address,
+                                  master_port=master_port, rank_offset=rank_offset,
+                                  world_size=world_size, group_name=group_name, backend=backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: str | None = None,
+                                        flush_cache: bool = True, pause_mode: str = "retract",
+                                        load_format: str | None = None) -> dict:
+        return self._post_control(
+            "/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
+            shapes=[list(s) for s in shapes], group_name=group_name,
+            weight_version=weight_version, flush_cache=flush_cache, pause_mode=pause_mode,
+            load_format=load_format)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._post_control("/destroy_weights_update_group", group_name=group_name)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._post_control("/get_weights_by_name", name=name, truncate_size=truncate_size)
+
+    def pause_generation(self, mode: str = "retract") -> dict:
+        return self._post_control("/pause_generation", mode=mode)
+
+    def continue_generation(self) -> dict:
+        return self._post_control("/continue_generation")
+
+    def flush_cache(self, timeout_s: float | None = None) -> dict:
+        return self._post_control("/flush_cache", timeout_s=timeout_s)
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._post_control("/abort_request", rid=rid, abort_all=abort_all)
+
+    def check_integrity(self) -> None:
+        result = self._post_control("/debug/check_integrity")
+        if not result["success"]:
+            raise AssertionError(result["message"])
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._post_control("/release_memory_occupation", tags=tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._post_control("/resume_memory_occupation", tags=tags)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        return self._post_control("/load_lora_adapter", lora_name=lora_name, lora_path=lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._post_control("/unload_lora_adapter", lora_name=lora_name)
+
+
+_DONE = object()
+
+
+def _sse_event(line: str) -> Any:
+    """The JSON of one `data:` line, _DONE at the end, None for other lines."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    event = json.loads(data)
+    if "error" in event:
+        raise RemoteEngineError(500, event["error"].get("message", "stream failed"))
+    return event
+
+
+def _generate_body(args: dict[str, Any]) -> dict[str, Any]:
+    body = {k: args[k] for k in _GENERATE_FIELDS if args[k] is not None}
+    for flag, default in (("return_logprob", False), ("top_logprobs_num", 0)):
+        if body.get(flag) == default:
+            del body[flag]
+    return body
+
+
+def _raise_for_error(status: int, content: bytes) -> None:
+    if status < 400:
+        return
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content.decode("utf-8", "replace")[:1000]
+    if status == 400:
+        raise ValueError(message)
+    if status in (401, 403):
+        raise PermissionError(message)
+    raise RemoteEngineError(status, message)

@@ -1,0 +1,265 @@
+"""The HTTP server: OpenAI-compatible and native generation, metrics, and the control plane.
+
+`python -m hotswap.engine.server --model-path ... [--port 30000] [--api-key K] [--admin-key A]`.
+`create_app(engine, ...)` builds the FastAPI app around an in-process Engine; routes never block
+the event loop: generation awaits the engine's async API and the blocking control calls (weight
+updates, pause, flush) run in worker threads, so streams keep flowing during a weight update.
+
+Keys (Bearer): control routes need the admin key when one is set (the API key otherwise);
+every other route except /health needs the API key when one is set (the admin key works too).
+Both are checked before the body is read, with constant-time comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from hotswap.engine.control_api import control, control_paths, lora_routes, memory_routes
+from hotswap.engine.metrics import CONTENT_TYPE
+from hotswap.engine.openai_api import Job, chat_job, completion_job
+from hotswap.engine.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from hotswap.engine.serving import (
+    CLIENT_GONE,
+    GuardMiddleware,
+    ServerState,
+    SSEResponse,
+    State,
+    error_response,
+    json_response,
+    until_disconnect,
+)
+from hotswap.engine.weight_manager import WeightsIncompleteError
+
+logger = logging.getLogger("hotswap.server")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+open_routes = APIRouter()
+inference = APIRouter()
+
+
+@open_routes.get("/health")
+async def health(state: State) -> Response:
+    incomplete = state.engine.weights.incomplete
+    if incomplete is not None:
+        return error_response(503, incomplete, "weights_incomplete")
+    return json_response({"status": "ok", "weight_version": state.engine.get_weight_version()})
+
+
+@inference.get("/get_weight_version")
+async def get_weight_version(state: State) -> Response:
+    return json_response({"weight_version": state.engine.get_weight_version()})
+
+
+@inference.get("/metrics")
+async def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@inference.get("/v1/models")
+async def list_models(state: State) -> Response:
+    return json_response({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "hotswap",
+         "root": state.engine.config.model_path,
+         "max_model_len": state.engine.config.context_length}]})
+
+
+@inference.post("/generate")
+async def generate(state: State, body: GenerateRequest, request: Request) -> Response:
+    kwargs = body.model_dump(exclude_defaults=True)
+    stream = kwargs.pop("stream", False)
+    if stream:
+        events = await state.engine.async_generate(**kwargs, stream=True)
+        return SSEResponse(_observed(state, events))
+    out = await until_disconnect(request, state.engine.async_generate(**kwargs))
+    if out is CLIENT_GONE:
+        return Response(status_code=499)
+    for o in out if isinstance(out, list) else [out]:
+        state.metrics.observe_output(o["meta_info"])
+    return json_response(out)
+
+
+async def _observed(state: ServerState, events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    start = time.perf_counter()
+    first = True
+    async with aclosing(events):
+        async for event in events:
+            if first and event["output_ids"]:
+                state.metrics.ttft.observe(time.perf_counter() - start)
+                first = False
+            if event["meta_info"]["finish_reason"] is not None:
+                state.metrics.observe_output(event["meta_info"])
+            yield event
+
+
+@inference.post("/v1/completions")
+async def completions(state: State, body: CompletionRequest, request: Request) -> Response:
+    return await _serve_openai(state, request, completion_job(body, state.model_name),
+                               body.stream)
+
+
+@inference.post("/v1/chat/completions")
+async def chat_completions(state: State, body: ChatCompletionRequest, request: Request) -> Response:
+    job = chat_job(body, state.model_name, state.engine.config.context_length)
+    return await _serve_openai(state, request, job, body.stream)
+
+
+async def _serve_openai(state: ServerState, request: Request, job: Job, stream: bool) -> Response:
+    engine = state.engine
+    if stream:
+        events = await engine.async_generate(**job.engine_kwargs, stream=True)
+        return SSEResponse(state.formatter.stream(job, _observed(state, events)))
+    outs = await until_disconnect(request, engine.async_generate(**job.engine_kwargs))
+    if outs is CLIENT_GONE:
+        return Response(status_code=499)
+    outs = outs if isinstance(outs, list) else [outs]
+    for out in outs:
+        state.metrics.observe_output(out["meta_info"])
+    return json_response(state.formatter.response(job, outs))
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def invalid(_: Request, exc: Exception) -> Response:
+        message = (_validation_message(exc) if isinstance(exc, RequestValidationError)
+                   else str(exc))
+        return error_response(400, message, "invalid_request_error")
+
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    async def unavailable(_: Request, exc: Exception) -> Response:
+        return error_response(503, str(exc), "weights_incomplete")
+
+    async def internal(_: Request, exc: Exception) -> Response:
+        logger.exception("internal error", exc_info=exc)
+        return error_response(500, f"internal error: {exc!r}", "internal_error")
+
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(ValueError, invalid)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(WeightsIncompleteError, unavailable)
+    app.add_exception_handler(Exception, internal)
+
+
+def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               served_model_name: str | None = None) -> FastAPI:
+    """The server's ASGI app around `engine` (an Engine; the caller owns its lifetime)."""
+    app = FastAPI(title="hotswap", summary="Rollout engine with live weight updates")
+    name = served_model_name or engine.config.model_path.rstrip("/").rsplit("/", 1)[-1]
+    app.state.hotswap = state = ServerState(engine, name)
+    routers = [open_routes, inference, control]
+    if hasattr(engine, "release_memory_occupation"):
+        routers.append(memory_routes)
+    if hasattr(engine, "load_lora_adapter"):
+        routers.append(lora_routes)
+    for router in routers:
+        app.include_router(router)
+    _install_error_handlers(app)
+    # Metrics label requests by route; any other path counts as "other".
+    routes = {route.path for router in routers for route in router.routes}
+    app.add_middleware(GuardMiddleware, api_key=api_key, admin_key=admin_key,
+                       max_body_bytes=max_body_bytes,
+                       count=lambda route, status: state.metrics.requests.labels(
+                           route, str(status)).inc(), routes=routes,
+                       control_paths=control_paths())
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hotswap.engine.server",
+                                description="Serve a hotswap Engine over HTTP.")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; open it wider only with keys)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="Bearer key for inference routes "
+                   "(or set HOTSWAP_API_KEY)")
+    p.add_argument("--admin-key", default=None, help="Bearer key for control routes "
+                   "(or set HOTSWAP_ADMIN_KEY)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="info")
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--max-total-tokens", type=int, default=None)
+    e.add_argument("--page-size", type=int, default=1)
+    e.add_argument("--max-running-requests", type=int, default=256)
+    e.add_argument("--chunked-prefill-size", type=int, default=2048)
+    e.add_argument("--max-prefill-tokens", type=int, default=8192)
+    e.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
+    e.add_argument("--attention-backend", default="auto")
+    e.add_argument("--disable-prefix-cache", action="store_true")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--deterministic", action="store_true")
+    e.add_argument("--mem-fraction", type=float, default=0.3)
+    e.add_argument("--context-length", type=int, default=None)
+    e.add_argument("--weight-update-timeout-s", type=float, default=300.0)
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model_path=args.model_path, dtype=args.dtype, device=args.device,
+                max_total_tokens=args.max_total_tokens, page_size=args.page_size,
+                max_running_requests=args.max_running_requests,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_prefill_tokens=args.max_prefill_tokens,
+                schedule_policy=args.schedule_policy, attention_backend=args.attention_backend,
+                enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
+                deterministic=args.deterministic, mem_fraction=args.mem_fraction,
+                context_length=args.context_length,
+                weight_update_timeout_s=args.weight_update_timeout_s)
+
+
+def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:
+    local = host in ("127.0.0.1", "localhost", "::1")
+    if not (api_key or admin_key):
+        logger.warning("no --api-key or --admin-key: every route, the control plane included, "
+                       "is open to anyone who can reach %s%s", host,
+                       " (this machine only)" if local else " - this address is NOT local")
+    elif not admin_key:
+        logger.warning("no --admin-key: control routes accept the API key")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from hotswap.engine import Engine
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    api_key = args.api_key or os.environ.get("HOTSWAP_API_KEY") or None
+    admin_key = args.admin_key or os.environ.get("HOTSWAP_ADMIN_KEY") or None
+    _log_exposure(args.host, api_key, admin_key)
+    with Engine(**engine_kwargs(args)) as engine:
+        app = create_app(engine, api_key, admin_key, args.max_body_bytes,
+                         args.served_model_name)
+        logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""What the HTTP routes share: the server state, JSON bodies, SSE streams, and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
+from functools import lru_cache
+from typing import Annotated, Any
+
+import anyio
+from fastapi import Depends, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hotswap.engine.metrics import ServerMetrics
+from hotswap.engine.openai_api import Formatter
+
+logger = logging.getLogger("hotswap.server")
+
+
+class ServerState:
+    def __init__(self, engine: Any, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServerMetrics(engine)
+        self.formatter = Formatter(lru_cache(maxsize=1 << 16)(
+            lambda t: engine.tokenizer.decode([t])))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.hotswap
+
+
+State = Annotated[ServerState, Depends(_state)]
+
+
+def dumps(obj: Any) -> bytes:
+    """JSON with non-finite floats (a -inf logprob) replaced, since JSON has no infinity."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "replace")
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else (
+            None if obj != obj else (-9999.0 if obj < 0 else 9999.0))
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str, kind: str) -> Response:
+    return json_response({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that ends (and closes its source, aborting the request) when the client leaves,
+    whether or not a chunk is due: a queued or paused request sends nothing for a while."""
+
+    def __init__(self, chunks: AsyncIterator[Any]):
+        super().__init__(self._frames(chunks), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def _frames(chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    yield b"data: " + dumps(chunk) + b"\n\n"
+        except Exception as exc:  # noqa: BLE001 - the status is sent; report in-band
+            logger.exception("stream failed")
+            yield b"data: " + dumps({"error": {"message": str(exc), "type": "internal_error"}})
+            yield b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client left while a chunk was being sent
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
+            group.cancel_scope.cancel()
+
+
+CLIENT_GONE = object()
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or CLIENT_GONE when the client disconnects first: then `work` is
+    cancelled, which aborts its requests and frees their KV."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return CLIENT_GONE
+
+
+async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Response:
+    return json_response(await asyncio.to_thread(fn, *args, **kwargs))
+
+
+class GuardMiddleware:
+    """Keys and the body size limit, both enforced before the app reads the body; and request
+    counting by route."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None,
+                 max_body_bytes: int, count: Callable[[str, int], None], routes: set[str],
+                 control_paths: frozenset[str]):
+        self.app = app
+        self.control_paths = control_paths
+        self.api_key = api_key
+        self.admin_key = admin_key
+        self.max_body_bytes = max_body_bytes
+        self.count = count
+        self.routes = routes
+
+    def _keys_for(self, path: str) -> list[str]:
+        if path == "/health":
+            return []
+        if path in self.control_paths:
+            key = self.admin_key or self.api_key
+            return [key] if key else []
+        return [k for k in (self.api_key, self.admin_key) if k] if self.api_key else []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+        status = [500]
+
+        async def counted_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is None:
+                body = await self._read_body(receive)
+                if body is None:
+                    refusal = error_response(
+                        400, f"request body exceeds {self.max_body_bytes} bytes",
+                        "invalid_request_error")
+            if refusal is not None:
+                await refusal(scope, receive, counted_send)
+                return
+            await self.app(scope, _replay(body, receive), counted_send)
+        finally:
+            self.count(route, status[0])
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        keys = self._keys_for(scope["path"])
+        if keys and not _authorized(scope, keys):
+            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                  "authentication_error")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit():
+            return error_response(400, "invalid Content-Length", "invalid_request_error")
+        if int(length) > self.max_body_bytes:
+            return error_response(400, f"request body exceeds {self.max_body_bytes} bytes",
+                                  "invalid_request_error")
+        return None
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None when it is larger than the limit (chunked uploads)."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(parts)
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later: the disconnect, which streams watch for
+
+    return replay
+
+
+def _authorized(scope: Scope, keys: list[str]) -> bool:
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    # Compare with every key, always, so timing does not tell which (or whether one) matched.
+    matches = [hmac.compare_digest(token.strip(), key.encode()) for key in keys]
+    return scheme.lower() == b"bearer" and any(matches)
