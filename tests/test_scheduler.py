@@ -1,0 +1,77 @@
+"""The scheduler under KV pressure: chunking, eviction and retraction change nothing visible."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hotswap.engine import Engine
+
+GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+def prompts(engine: Engine, count: int = 12) -> list[list[int]]:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    shared = engine.tokenizer.encode("A shared preamble that several requests begin with. " * 3)
+    out = []
+    for i in range(count):
+        body = engine.tokenizer.encode(" ".join(words[(i + j) % 12] for j in range(4 + 7 * i)))
+        out.append((shared if i % 2 else []) + body)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model_path):
+    with Engine(tiny_chat_model_path, max_total_tokens=16384) as eng:
+        ps = prompts(eng)
+        return ps, [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("page_size, policy", [(1, "lpm"), (4, "lpm"), (1, "fcfs")])
+def test_small_pool_finishes_everything_with_identical_outputs(tiny_chat_model_path, reference,
+                                                               page_size, policy):
+    ps, expected = reference
+    longest = max(len(p) for p in ps) + GREEDY["max_new_tokens"]
+    with Engine(tiny_chat_model_path, max_total_tokens=2 * longest + 8, page_size=page_size,
+                chunked_prefill_size=32, schedule_policy=policy,
+                max_running_requests=6) as eng:
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        eng.check_integrity()
+        stats = dict(eng.scheduler.stats)
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0
+    assert max(len(p) for p in ps) > 32  # prompts longer than a chunk were chunked
+    assert stats["prefill_tokens"] >= sum(len(p) for p in ps) - stats["cached_tokens"]
+
+
+def test_threads_share_one_batch(tiny_chat_model_path, reference):
+    ps, expected = reference
+    results: dict[int, list[int]] = {}
+    with Engine(tiny_chat_model_path, max_total_tokens=16384) as eng:
+        def worker(i: int) -> None:
+            results[i] = eng.generate(input_ids=ps[i], sampling_params=GREEDY)["output_ids"]
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        steps = eng.scheduler.stats["steps"]
+        eng.check_integrity()
+    assert [results[i] for i in range(len(ps))] == expected
+    # interleaved into shared steps: far fewer steps than requests x tokens
+    assert steps < len(ps) * GREEDY["max_new_tokens"] / 2
+
+
+def test_shared_prefix_is_computed_once(tiny_chat_model_path):
+    with Engine(tiny_chat_model_path, max_total_tokens=16384) as eng:
+        system = eng.tokenizer.encode("You are a helpful assistant. " * 40)
+        qs = [system + eng.tokenizer.encode(f" Question {i}: what is {i} + {i}?")
+              for i in range(16)]
+        outs = eng.generate(input_ids=qs, sampling_params={"max_new_tokens": 4})
+        computed = eng.scheduler.stats["prefill_tokens"]
+    unique = len(system) + sum(len(q) - len(system) for q in qs)
+    assert computed <= unique * 1.05
+    assert sum(o["meta_info"]["cached_tokens"] > 0 for o in outs) == 15
