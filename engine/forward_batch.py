@@ -35,6 +35,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
     attn_backend: Any = field(default=None, repr=False)  # set by the ModelRunner
+    rope: Any = field(default=None, repr=False)  # (cos, sin) of the positions, set by the model
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
 
     @property

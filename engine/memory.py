@@ -51,8 +51,8 @@ class KVPool:
         return bool(self.k_buffers)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim)
-        self.v_buffers[layer_id][loc] = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.k_buffers[layer_id][loc] = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        self.v_buffers[layer_id][loc] = v.reshape(-1, self.num_kv_heads, self.head_dim)
 
 
 class TokenToKVPoolAllocator:

@@ -7,13 +7,47 @@ only the engine knows (vocabulary, context length, sampling limits) are left to 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 MAX_N = 1024  # the engine's limit (sampling.MAX_N), stated here so the OpenAPI schema shows it
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
+
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON has one number type: 8.0 is a valid "integer" in JSON Schema, "8" is not.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**bounds: int) -> Any:
+    """An integer type; bounds sit inside it so the OpenAPI schema shows them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+Int = _int()
+NonNegInt = _int(ge=0)
+SampleCount = _int(ge=1, le=MAX_N)
+TopLogprobs = _int(ge=0, le=MAX_TOP_LOGPROBS)
+TopK = _int(ge=-1)
+Port = _int(ge=1, le=65535)
+Rank = _int(ge=1)
+WorldSize = _int(ge=2)
+TruncateSize = _int(ge=0, le=1 << 20)
+StopString = Annotated[str, StringConstraints(min_length=1)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
 
 
 class Body(BaseModel):
@@ -28,34 +62,34 @@ class SamplingFields(Body):
     """Fields shared by /v1/completions and /v1/chat/completions, plus common extensions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: NonNegInt | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: SampleCount = 1
+    stop: StopString | list[StopString] | None = None
+    seed: Int | None = None
+    presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    logit_bias: dict[TokenIdKey, float] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Extensions (as in SGLang and vLLM).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    top_k: TopK | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: NonNegInt | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
     regex: str | None = None
     cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: TopLogprobs | None = None
 
     @model_validator(mode="after")
     def _no_echo(self) -> CompletionRequest:
@@ -96,9 +130,9 @@ class ResponseFormat(Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: NonNegInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -112,11 +146,11 @@ class GenerateRequest(Body):
     """The native route: Engine.generate's arguments; the engine validates their contents."""
 
     prompt: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int] | list[list[Int]] | None = None
     messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Int = 0
     lora_name: str | list[str | None] | None = None
     cache_salt: str | list[str | None] | None = None
     rid: str | list[str | None] | None = None
@@ -132,9 +166,9 @@ class UpdateFromDiskRequest(Body):
 
 class InitGroupRequest(Body):
     master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
+    master_port: Port
+    rank_offset: Rank
+    world_size: WorldSize
     group_name: str = "weight_update_group"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
@@ -142,7 +176,7 @@ class InitGroupRequest(Body):
 class UpdateFromDistributedRequest(Body):
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
+    shapes: list[list[Int]]
     group_name: str = "weight_update_group"
     weight_version: str | None = None
     flush_cache: bool = True
@@ -169,7 +203,7 @@ class AbortRequest(Body):
 
 class WeightsByNameRequest(Body):
     name: str
-    truncate_size: int = Field(100, ge=0, le=1 << 20)
+    truncate_size: TruncateSize = 100
 
 
 class MemoryRequest(Body):

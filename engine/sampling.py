@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from itertools import chain
@@ -75,8 +74,8 @@ def _as_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False
         _fail(name, "a number", value)
     value = float(value)
     too_low = value <= lo if lo_open else value < lo
-    if math.isnan(value) or too_low or value > hi:
-        _fail(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]", value)
+    if not math.isfinite(value) or too_low or value > hi:
+        _fail(name, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}]", value)
     return value
 
 
@@ -112,9 +111,7 @@ def _as_logit_bias(value: Any) -> dict[int, float]:
             _fail("logit_bias", "non-negative integer token ids as keys", key)
         if tid in bias:
             _fail("logit_bias", "each token id once", key)
-        bias[tid] = _as_float("logit_bias", b, -math.inf, math.inf, lo_open=True)
-        if math.isinf(bias[tid]):
-            _fail("logit_bias", "finite biases", b)
+        bias[tid] = _as_float("logit_bias", b, -math.inf, math.inf)
     return bias
 
 
@@ -225,9 +222,6 @@ def _normalised_fields(p: SamplingParams) -> dict[str, Any]:
     if out["min_new_tokens"] > out["max_new_tokens"]:
         _fail("min_new_tokens", f"at most max_new_tokens ({out['max_new_tokens']})",
               out["min_new_tokens"])
-    if math.isinf(out["temperature"]) or math.isinf(out["repetition_penalty"]):
-        name = "temperature" if math.isinf(out["temperature"]) else "repetition_penalty"
-        _fail(name, "a finite number", out[name])
     top_k = _as_int("top_k", p.top_k)
     if top_k == 0 or top_k < -1:
         _fail("top_k", "-1 (off) or a positive integer", top_k)
@@ -362,6 +356,17 @@ class SamplingBatchInfo:
         )
 
 
+def _flat_tokens(
+    rows: list[int], seqs: list[list[int]], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices (row * vocab + token) of every in-vocabulary token of seqs (one per row),
+    with the row of each; built by torch from one concatenated list, not token by token."""
+    tokens = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
+    row = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(s) for s in seqs]))
+    keep = (tokens >= 0) & (tokens < vocab)
+    return (row * vocab + tokens)[keep], row[keep]
+
+
 def _sparse_edits(
     params: list[SamplingParams],
     output_ids: list[list[int]],
@@ -370,40 +375,48 @@ def _sparse_edits(
     vocab: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor | None]:
-    rep_index: list[int] = []
-    rep_penalty: list[float] = []
-    add_index: list[int] = []
-    add_value: list[float] = []
-    ban_index: list[int] = []
-    for i, p in enumerate(params):
-        base = i * vocab
-        if p.repetition_penalty != 1.0:
-            seen = {t for t in chain(prompt_ids[i], output_ids[i]) if 0 <= t < vocab}
-            rep_index.extend(base + t for t in seen)
-            rep_penalty.extend([p.repetition_penalty] * len(seen))
-        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            for t, count in Counter(output_ids[i]).items():
-                if 0 <= t < vocab:
-                    add_index.append(base + t)
-                    add_value.append(-(p.frequency_penalty * count + p.presence_penalty))
-        for t, bias in (p.logit_bias or {}).items():
-            if t < vocab:
-                add_index.append(base + t)
-                add_value.append(bias)
-        if len(output_ids[i]) < p.min_new_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            ban_index.extend(base + t for t in banned if 0 <= t < vocab)
+    edits: dict[str, torch.Tensor | None] = dict.fromkeys(
+        ("rep_index", "rep_penalty", "add_index", "add_value", "ban_index"))
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        # Duplicates are harmless: every copy of a token reads and writes the same value.
+        index, row = _flat_tokens(rep_rows, [prompt_ids[i] + output_ids[i] for i in rep_rows],
+                                  vocab)
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        edits["rep_index"], edits["rep_penalty"] = index, penalty[row]
+    add_index, add_value = _additive_edits(params, output_ids, vocab)
+    if add_index is not None:
+        edits["add_index"], edits["add_value"] = add_index, add_value
+    banned = [i * vocab + t for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens
+              for t in set(p.stop_token_ids) | set(() if p.ignore_eos else eos_ids) if t < vocab]
+    if banned:
+        edits["ban_index"] = torch.tensor(banned, dtype=torch.int64)
+    return {k: None if v is None else v.to(device) for k, v in edits.items()}
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor | None:
-        return torch.tensor(values, dtype=dtype, device=device) if values else None
 
-    return {
-        "rep_index": tensor(rep_index, torch.int64),
-        "rep_penalty": tensor(rep_penalty, torch.float32),
-        "add_index": tensor(add_index, torch.int64),
-        "add_value": tensor(add_value, torch.float32),
-        "ban_index": tensor(ban_index, torch.int64),
-    }
+def _additive_edits(
+    params: list[SamplingParams], output_ids: list[list[int]], vocab: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Frequency (once per occurrence), presence (once per distinct token) and logit_bias."""
+    indices: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    pen_rows = [i for i, p in enumerate(params)
+                if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if pen_rows:
+        index, row = _flat_tokens(pen_rows, [output_ids[i] for i in pen_rows], vocab)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        distinct = torch.unique(index)
+        indices += [index, distinct]
+        values += [-freq[row], -presence[distinct // vocab]]
+    bias = [(i * vocab + t, b) for i, p in enumerate(params)
+            for t, b in (p.logit_bias or {}).items() if t < vocab]
+    if bias:
+        indices.append(torch.tensor([i for i, _ in bias], dtype=torch.int64))
+        values.append(torch.tensor([b for _, b in bias], dtype=torch.float32))
+    if not indices:
+        return None, None
+    return torch.cat(indices), torch.cat(values)
 
 
 class SampleOutput(NamedTuple):
@@ -429,7 +442,8 @@ def process_logits(
     owned = x is not logits
     edits = (info.rep_index, info.add_index, info.ban_index, vocab_mask)
     if any(e is not None for e in edits):
-        x, owned = (x, True) if owned else (x.clone(), True)
+        x = x if owned else x.clone()
+        owned = True
         flat = x.view(-1)
         if info.rep_index is not None:
             v = flat[info.rep_index]
@@ -507,13 +521,14 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cum = block_mass.double().cumsum(dim=-1)
     total = cum[:, -1:]
     target = torch.minimum(u.unsqueeze(1) * total, _below(total))
-    block = torch.searchsorted(cum, target, right=True)  # [n, 1]
+    # The clamps only matter for rows with no finite logit (NaN mass): a token, not a crash.
+    block = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[1] - 1)  # [n, 1]
     prev = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)
     frac = (target - prev) / block_mass.gather(1, block).double()
     rows = torch.arange(u.shape[0], device=u.device)
     inner = blocks[rows, block.squeeze(1)].double().cumsum(dim=-1)
     inner_target = torch.minimum(frac * inner[:, -1:], _below(inner[:, -1:]))
-    pos = torch.searchsorted(inner, inner_target, right=True)
+    pos = torch.searchsorted(inner, inner_target, right=True).clamp(max=BLOCK - 1)
     return (block * BLOCK + pos).squeeze(1)
 
 
@@ -630,7 +645,7 @@ def _draw_from_slice(
 ) -> _GroupResult:
     kept_mass = cum.gather(1, (keep - 1).unsqueeze(1))  # [n, 1]
     target = torch.minimum(u.unsqueeze(1) * kept_mass, _below(kept_mass))
-    pos = torch.searchsorted(cum, target, right=True)
+    pos = torch.searchsorted(cum, target, right=True).clamp(max=cum.shape[1] - 1)
     tokens = ids.gather(1, pos).squeeze(1)
     if not return_logprob:
         return _GroupResult(tokens, None, None, None)

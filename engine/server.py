@@ -135,7 +135,8 @@ def _validation_message(exc: RequestValidationError) -> str:
         if err.get("type") == "json_invalid":
             return f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where or 'body'}: {message}")
     return "; ".join(parts) or "invalid request"
 
 

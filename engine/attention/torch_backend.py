@@ -22,6 +22,7 @@ class _Group:
     q_valid: torch.Tensor | None  # [G, Lq] bool; None when nothing is padded
     kv_slots: torch.Tensor  # [G, Lk] pool slots (padding -> slot 0)
     mask: torch.Tensor  # [G, 1, Lq, Lk] bool, True = attend
+    identity: bool  # the group is the whole batch in order, unpadded: no gather/scatter
 
 
 @dataclass
@@ -57,7 +58,10 @@ class TorchAttnBackend(AttentionBackend):
         # query j of a row sits at absolute position prefix + j and sees keys at positions <= it
         causal = kpos[None, None, :] <= (prefix[:, None, None] + qpos[None, :, None])
         mask = causal & k_valid[:, None, :]
+        identity = (q_valid.all() and q_index.numel() == fb.num_tokens
+                    and bool((q_index.flatten() == torch.arange(fb.num_tokens)).all()))
         return _Group(
+            identity=bool(identity),
             q_index=q_index.to(device),
             q_valid=None if bool(q_valid.all()) else q_valid.to(device),
             kv_slots=kv_slots,
@@ -69,15 +73,18 @@ class TorchAttnBackend(AttentionBackend):
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         for g in fb.attn_metadata.groups:
             n, lq = g.q_index.shape
-            qg = q[g.q_index].view(n, lq, self.num_heads, self.head_dim).transpose(1, 2)
+            qg = q if g.identity else q[g.q_index]
+            qg = qg.reshape(n, lq, self.num_heads, self.head_dim).transpose(1, 2)
             kg = k_buf[g.kv_slots].transpose(1, 2)
             vg = v_buf[g.kv_slots].transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scaling,
                                                 enable_gqa=self.num_heads != self.num_kv_heads)
             og = og.transpose(1, 2).reshape(n, lq, -1)
+            if g.identity:
+                return og.reshape(n * lq, -1)
             if g.q_valid is None:
                 out[g.q_index.flatten()] = og.reshape(n * lq, -1)
             else:

@@ -15,7 +15,7 @@ from torch import nn
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.forward_batch import ForwardBatch
 from hotswap.engine.layers.norm import RMSNorm
-from hotswap.engine.layers.rotary import RotaryEmbedding
+from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class WeightSlot(NamedTuple):
@@ -31,27 +31,29 @@ class WeightSlot(NamedTuple):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
-        self.rotary = rotary
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = cfg.num_heads + cfg.num_kv_heads
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = fb.attn_backend.forward(q.reshape(-1, cfg.q_size), k.reshape(-1, cfg.kv_size),
-                                    v.contiguous(), self.layer_id, fb)
+            qk = torch.cat((self.q_norm(qk[:, : cfg.num_heads]),
+                            self.k_norm(qk[:, cfg.num_heads:])), dim=1)
+        # q and k are adjacent in the fused output: one rotation covers both.
+        qk = apply_rotary(qk, fb.rope).view(-1, heads * cfg.head_dim)
+        q, k = qk.split([cfg.q_size, cfg.kv_size], dim=-1)
+        v = qkv[:, cfg.q_size + cfg.kv_size:]
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
         return self.o_proj(o)
 
 
@@ -68,31 +70,32 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_id)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
+        fb.rope = self.rotary.lookup(fb.positions, x.dtype)
         for layer in self.layers:
-            x = layer(fb.positions, x, fb)
+            x = layer(x, fb)
         return x
 
 
