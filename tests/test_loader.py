@@ -8,12 +8,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import write_tiny_model
 from safetensors.torch import load_file, save_file
 
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.model_runner import ModelRunner
-
-from conftest import write_tiny_model
 
 
 def build(path: str) -> ModelRunner:
