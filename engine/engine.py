@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import queue
@@ -174,7 +173,7 @@ class Engine:
             for k in range(sp.n):
                 reqs.append(Req(
                     rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
-                    params=_sample_params(sp, k), return_logprob=return_logprob,
+                    params=sp.for_sample(k), return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, cache_salt=salt, stream=stream,
                     created=time.perf_counter()))
         return reqs, single and len(reqs) == 1
@@ -235,6 +234,7 @@ class Engine:
         if len(ids) + 1 > self.runner.allocator.size:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
                              f"{self.runner.allocator.size}")
+        sp.check_vocab(vocab)
         if lora is not None:
             raise ValueError(f"lora_name {lora!r}: no LoRA adapter is loaded")
         for key in _GRAMMAR_KEYS:
@@ -298,13 +298,6 @@ class Engine:
     def get_server_info(self) -> dict:
         return {"stats": dict(self.scheduler.stats), "weight_version": self.weights.version,
                 "kv_pool_tokens": self.runner.allocator.size}
-
-
-def _sample_params(sp: SamplingParams, k: int) -> SamplingParams:
-    """The k-th of n samples gets its own seed, derived from the request's."""
-    if sp.seed is None or sp.n == 1:
-        return sp
-    return dataclasses.replace(sp, seed=(sp.seed * 1_000_003 + k) % (1 << 63))
 
 
 def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:

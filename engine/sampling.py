@@ -300,7 +300,7 @@ class SamplingBatchInfo:
     need_temperature: bool
     truncated_need_full_mass: bool  # some truncated row has top_p without top_k
     max_top_k: int  # over truncated rows with top_k; 0 when none
-    rep_index: torch.Tensor | None  # [N] flat indices, prompt + output tokens, once per row
+    rep_index: torch.Tensor | None  # [N] flat indices of prompt + output tokens (repeats allowed)
     rep_penalty: torch.Tensor | None  # [N] float32
     add_index: torch.Tensor | None  # [M] flat indices: frequency/presence penalties, logit_bias
     add_value: torch.Tensor | None  # [M] float32
