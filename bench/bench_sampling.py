@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from hotswap.engine.sampling import Sampler, SamplingBatchInfo, SamplingParams
+from hotswap.engine.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.sampling_params import SamplingParams
 
 CASES = {
     "greedy": {"temperature": 0.0},

@@ -17,7 +17,7 @@ from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.model_runner import ModelRunner
 from hotswap.engine.output import OutputProcessor
 from hotswap.engine.request import Req
-from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.sampling_params import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.weight_manager import WeightManager
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hotswap.engine.radix_cache import Namespace, TreeNode
-from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.sampling_params import SamplingParams
 
 
 @dataclass

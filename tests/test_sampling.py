@@ -5,14 +5,8 @@ import math
 import pytest
 import torch
 
-from hotswap.engine.sampling import (
-    MAX_N,
-    Sampler,
-    SamplingBatchInfo,
-    SamplingParams,
-    process_logits,
-    seeded_uniform,
-)
+from hotswap.engine.sampling import Sampler, SamplingBatchInfo, process_logits
+from hotswap.engine.sampling_params import MAX_N, SamplingParams, seeded_uniform
 
 EOS = 0
 
