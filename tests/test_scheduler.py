@@ -12,7 +12,8 @@ GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
 def prompts(engine: Engine, count: int = 12) -> list[list[int]]:
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+             "kappa", "lambda", "mu"]
     shared = engine.tokenizer.encode("A shared preamble that several requests begin with. " * 3)
     out = []
     for i in range(count):
