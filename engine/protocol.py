@@ -46,7 +46,7 @@ Port = _int(ge=1, le=65535)
 Rank = _int(ge=1)
 WorldSize = _int(ge=2)
 TruncateSize = _int(ge=0, le=1 << 20)
-StopString = Annotated[str, StringConstraints(min_length=1)]
+Text = Annotated[str, StringConstraints(min_length=1)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
 
 
@@ -66,7 +66,7 @@ class SamplingFields(Body):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     n: SampleCount = 1
-    stop: StopString | list[StopString] | None = None
+    stop: Text | list[Text] | None = None
     seed: Int | None = None
     presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
@@ -87,7 +87,7 @@ class SamplingFields(Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: Text | list[Text] | list[NonNegInt] | list[list[NonNegInt]]
     echo: bool = False
     logprobs: TopLogprobs | None = None
 
@@ -146,7 +146,7 @@ class GenerateRequest(Body):
     """The native route: Engine.generate's arguments; the engine validates their contents."""
 
     prompt: str | list[str] | None = None
-    input_ids: list[Int] | list[list[Int]] | None = None
+    input_ids: list[NonNegInt] | list[list[NonNegInt]] | None = None
     messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False

@@ -39,6 +39,7 @@ class WeightManager:
         self.runner = runner
         self.version = "0"
         self.incomplete: str | None = None  # why the weights are partly overwritten
+        self._damaged: set[str] = set()  # names a failed update may have half-written
         self.last_update_s: float | None = None
         self._auto = itertools.count(1)
         self._groups: dict[str, ws_group.WeightGroup] = {}
@@ -135,13 +136,16 @@ class WeightManager:
         if len(set(names)) != len(names):
             raise ValueError("named_tensors repeats a name")
         self._validate({n: (tuple(t.shape), t.dtype) for n, t in items}, complete=False)
-        return self._commit(lambda: self._copy_in(items), weight_version, pause_mode)
+        version = self._prepare(weight_version, pause_mode)
+        return self._commit(lambda: self._copy_in(items), names, version, pause_mode)
 
     def update_from_disk(self, model_path: str, weight_version: str | None, flush_cache: bool,
                          pause_mode: str) -> dict:
-        self._validate(read_checkpoint_meta(model_path), complete=True)
-        return self._commit(lambda: self._copy_in(iter_checkpoint(model_path)), weight_version,
-                            pause_mode)
+        meta = read_checkpoint_meta(model_path)
+        self._validate(meta, complete=True)
+        version = self._prepare(weight_version, pause_mode)
+        return self._commit(lambda: self._copy_in(iter_checkpoint(model_path)), list(meta),
+                            version, pause_mode)
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> dict:
@@ -175,6 +179,7 @@ class WeightManager:
                 raise ValueError("names repeats a name")
             meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
             self._validate(meta, complete=False)
+            version = self._prepare(weight_version, pause_mode)
         except ValueError:
             # Take part in the broadcast anyway so the sender finishes instead of timing out.
             discard_tensors(group, names, dtypes, shapes, load_format)
@@ -187,21 +192,26 @@ class WeightManager:
                                          device=self.runner.device, into=into)) as received:
                 self._copy_in((n, t) for n, t in received if n not in into)
 
-        return self._commit(apply, weight_version, pause_mode)
+        return self._commit(apply, list(names), version, pause_mode)
 
     def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in named:
                 self.runner.weight_map[name].view.copy_(tensor)
 
-    def _commit(self, apply: Callable[[], None], weight_version: str | None,
-                pause_mode: str) -> dict:
+    def _prepare(self, weight_version: str | None, pause_mode: str) -> str:
+        """Check the remaining arguments; returns the version the update will commit."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        version = self._next_version(weight_version)
-        return self.scheduler.call(lambda: self._commit_now(apply, version, pause_mode)).result()
+        return self._next_version(weight_version)
 
-    def _commit_now(self, apply: Callable[[], None], version: str, pause_mode: str) -> dict:
+    def _commit(self, apply: Callable[[], None], names: list[str], version: str,
+                pause_mode: str) -> dict:
+        return self.scheduler.call(
+            lambda: self._commit_now(apply, names, version, pause_mode)).result()
+
+    def _commit_now(self, apply: Callable[[], None], names: list[str], version: str,
+                    pause_mode: str) -> dict:
         """Scheduler thread: pause per mode, write, bump the version, retire old namespaces."""
         sched = self.scheduler
         start = time.perf_counter()
@@ -209,16 +219,23 @@ class WeightManager:
         try:
             apply()
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
+            self._damaged |= set(names)
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
             sched.abort_running(self.incomplete)
             sched.abort_waiting(self.incomplete)
             return {"success": False, "message": self.incomplete, "weight_version": self.version}
         self.version = version
-        self.incomplete = None
+        # Serving resumes only once every tensor a failed update touched has been rewritten.
+        self._damaged -= set(names)
+        if not self._damaged:
+            self.incomplete = None
         sched.tree.retire_where(lambda ns: ns.weight_version != version)
         self.last_update_s = time.perf_counter() - start
-        return {"success": True, "message": f"updated to version {version!r}",
-                "weight_version": version}
+        message = f"updated to version {version!r}"
+        if self.incomplete is not None:
+            message += (f"; still incomplete: {len(self._damaged)} tensor(s) from the failed "
+                        "update were not rewritten")
+        return {"success": True, "message": message, "weight_version": version}
 
 
 def _as_int(version: str) -> int:

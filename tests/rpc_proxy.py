@@ -8,6 +8,7 @@ its own connection, so calls from several threads never interleave on one socket
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from multiprocessing.connection import Client, Connection, Listener
@@ -43,10 +44,8 @@ class RpcServer:
             return
         self._closed = True
         # accept() does not return when the socket is closed under it; a last client wakes it.
-        try:
+        with contextlib.suppress(OSError):
             Client(self.address, authkey=self.authkey).close()
-        except OSError:
-            pass
         self._thread.join(timeout=5)
         self._listener.close()
 
@@ -73,10 +72,8 @@ class RpcServer:
                 reply = ("ok", getattr(self.target, method)(**kwargs))
             except Exception as exc:  # noqa: BLE001 - sent back to the caller
                 reply = ("err", type(exc).__name__, str(exc))
-            try:
+            with contextlib.suppress(OSError):  # the caller may have died while we worked
                 conn.send(reply)
-            except OSError:  # the caller died while we worked
-                pass
 
 
 class EngineProxy:

@@ -12,6 +12,7 @@ checkpoint holding them; `TrainerProcess` is a spawned trainer that takes comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -94,8 +95,8 @@ class _Trainer:
 
     def close(self) -> None:
         sender, self.sender = self.sender, None
-        if sender is not None:
-            sender.close([self.proxy])
+        if sender is not None:  # after a failed broadcast the sender has dropped both sides
+            sender.close([self.proxy] if sender.connected else [])
 
     def partial(self, key: str, master_port: int, group_name: str, count: int) -> None:
         """Rank 0 of a per-tensor update that stops after `count` tensors, then waits to die."""
@@ -156,16 +157,16 @@ class TrainerProcess:
         self.proc.start()
         child.close()  # a dead worker then reads as EOF here
 
-    def call(self, command: str, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+    def call(self, command: str, wait_s: float = 60.0, **kwargs: Any) -> Any:
         self.start(command, **kwargs)
-        return self.result(timeout_s)
+        return self.result(wait_s)
 
     def start(self, command: str, **kwargs: Any) -> None:
         self.conn.send((command, kwargs))
 
-    def result(self, timeout_s: float = 60.0) -> Any:
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"the trainer did not answer within {timeout_s}s")
+    def result(self, wait_s: float = 60.0) -> Any:
+        if not self.conn.poll(wait_s):
+            raise TimeoutError(f"the trainer did not answer within {wait_s}s")
         try:
             status, *payload = self.conn.recv()
         except EOFError:
@@ -179,10 +180,8 @@ class TrainerProcess:
         self.proc.join(10)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(("exit", {}))
-        except OSError:
-            pass
         self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
