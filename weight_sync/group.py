@@ -68,10 +68,15 @@ class WeightGroup:
 
         Raises WeightSyncError when a peer dies or stays silent past timeout_s.
         """
+        self.wait(self.broadcast_start(tensor, src))
+
+    def broadcast_start(self, tensor: torch.Tensor, src: int = 0) -> dist.Work | None:
+        """Start a broadcast and return its handle (None when there is nothing to send); the
+        tensor must stay untouched until `wait` returns."""
         if self._pg is None:
             raise WeightSyncError(f"group {self.name!r} (rank {self.rank}) is destroyed")
         if tensor.numel() == 0:
-            return
+            return None
         if not tensor.is_contiguous():
             raise ValueError("broadcast needs a contiguous tensor")
         opts = dist.BroadcastOptions()
@@ -80,11 +85,20 @@ class WeightGroup:
         # Bytes on the wire: the backends then need no support for the dtype itself.
         payload = tensor.reshape(-1).view(torch.uint8)
         try:
-            self._wait(self._pg.broadcast([payload], opts))
+            return self._pg.broadcast([payload], opts)
         except RuntimeError as err:
-            raise WeightSyncError(
-                f"broadcast on group {self.name!r} (rank {self.rank}) failed: {err}"
-            ) from err
+            raise self._failed(err) from err
+
+    def wait(self, work: dist.Work | None) -> None:
+        if work is None:
+            return
+        try:
+            self._wait(work)
+        except RuntimeError as err:
+            raise self._failed(err) from err
+
+    def _failed(self, err: Exception) -> WeightSyncError:
+        return WeightSyncError(f"broadcast on group {self.name!r} (rank {self.rank}) failed: {err}")
 
     def _wait(self, work: dist.Work) -> None:
         if self.backend == "gloo":

@@ -115,23 +115,48 @@ def _per_tensor(
 def _bucketed(
     group: WeightGroup, specs: list[TensorSpec], out: torch.device, dests: dict
 ) -> Received:
+    """Bucket k+1 is on the wire while bucket k is copied out (double buffering). A bucket whose
+    tensors all have destinations lands in one of two reused buffers: nothing of it escapes."""
     if not specs:
         return
     header = torch.zeros(len(specs), dtype=torch.int64, device=group.device)
     group.broadcast(header)
     buckets = buckets_from_counts(specs, header_counts(header.cpu()))
-    done = 0
+    pool: list[torch.Tensor | None] = [None, None]
+
+    def start(i: int) -> tuple[torch.Tensor, object]:
+        bucket = buckets[i]
+        if all(s.name in dests for s in bucket.specs):
+            flat = _pooled(pool, i % 2, bucket, group.device)
+        else:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)
+        return flat, group.broadcast_start(flat)
+
+    started = 1
+    flat, work = start(0)
     try:
         for bucket in buckets:
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)
-            group.broadcast(flat)
-            done += 1
-            views = unflatten(flat.to(out), bucket.specs)
+            group.wait(work)
+            current, work = flat, None
+            if started < len(buckets):
+                flat, work = start(started)
+                started += 1
+            views = unflatten(current.to(out), bucket.specs)
             for spec, view in zip(bucket.specs, views, strict=True):
                 yield spec.name, _deliver(view, dests.get(spec.name), out)
     except GeneratorExit:
-        _drain(group, buckets[done:])
+        if work is not None:
+            group.wait(work)
+        _drain(group, buckets[started:])
         raise
+
+
+def _pooled(pool: list[torch.Tensor | None], slot: int, bucket: Bucket,
+            device: torch.device) -> torch.Tensor:
+    buf = pool[slot]
+    if buf is None or buf.numel() < bucket.nbytes:
+        buf = pool[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    return buf[: bucket.nbytes].view(bucket.dtype)
 
 
 def _deliver(buf: torch.Tensor, dest: torch.Tensor | None, out: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hotswap.weight_sync.bucket import bucket_header, dtype_to_str, flatten, plan_buckets
+from hotswap.weight_sync.bucket import Bucket, bucket_header, dtype_to_str, plan_buckets
 from hotswap.weight_sync.group import (
     DEFAULT_TIMEOUT_S,
     WeightGroup,
@@ -181,14 +181,34 @@ class WeightSender:
             specs = [(n, x.dtype, tuple(x.shape)) for n, x in tensors]
             buckets = plan_buckets(specs, self.bucket_bytes)
             self.group.broadcast(bucket_header(buckets, len(tensors)).to(device))
-            for bucket in buckets:
+            # Two buffers: bucket k+1 is flattened while bucket k is on the wire.
+            pool: list[torch.Tensor | None] = [None, None]
+            pending: list[Any] = [None, None]
+            for i, bucket in enumerate(buckets):
+                slot = i % 2
+                self.group.wait(pending[slot])
                 parts = [by_name[s.name].detach().to(device) for s in bucket.specs]
-                self.group.broadcast(flatten(parts).contiguous())
+                pending[slot] = self.group.broadcast_start(
+                    _flatten_into(pool, slot, bucket, parts, device))
+            for work in pending:
+                self.group.wait(work)
 
     def _destroy_targets(self, targets: list[Any]) -> dict[str, str]:
         calls = [_Call(t.destroy_weights_update_group, group_name=self.group_name)
                  for t in targets]
         return _failures(calls, targets, self.timeout_s)
+
+
+def _flatten_into(pool: list[torch.Tensor | None], slot: int, bucket: Bucket,
+                  parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if len(parts) == 1 and parts[0].is_contiguous():
+        return parts[0].reshape(-1)
+    buf = pool[slot]
+    if buf is None or buf.numel() < bucket.nbytes:
+        buf = pool[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    flat = buf[: bucket.nbytes].view(bucket.dtype)
+    torch.cat([t.reshape(-1) for t in parts], out=flat)
+    return flat
 
 
 def _as_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
