@@ -18,7 +18,6 @@ from hotswap.engine.protocol import ChatCompletionRequest, CompletionRequest, Sa
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token with zero probability
 
-_RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 _PASSED = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
            "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos",
            "skip_special_tokens", "stop_token_ids", "regex", "n")
@@ -45,12 +44,12 @@ class Job:
         return base if self.n == 1 else [f"{b}-{k}" for b in base for k in range(self.n)]
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
+    """The engine's sampling params; fields left unset keep the engine's defaults."""
     params = {name: getattr(req, name) for name in _PASSED if getattr(req, name) is not None}
-    if max_tokens is not None:
-        params["max_new_tokens"] = max_tokens
+    params["max_new_tokens"] = max_tokens
     if req.min_tokens is not None:
-        params[_RENAMED["min_tokens"]] = req.min_tokens
+        params["min_new_tokens"] = req.min_tokens
     return params
 
 
@@ -85,10 +84,11 @@ def chat_job(req: ChatCompletionRequest, model: str, context_length: int) -> Job
     messages = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
     kwargs: dict[str, Any] = {"messages": messages, "sampling_params": params,
                               "rid": f"{job_id}-0"}
-    _add_logprobs(kwargs, (req.top_logprobs or 0) if req.logprobs else None)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    _add_logprobs(kwargs, top)
     _add_common(kwargs, req)
-    return Job(job_id, "chat.completion", req.model or model, req.n, 1,
-               (req.top_logprobs or 0) if req.logprobs else None, _include_usage(req), kwargs)
+    return Job(job_id, "chat.completion", req.model or model, req.n, 1, top,
+               _include_usage(req), kwargs)
 
 
 def _content_text(content: str | list) -> str:
@@ -129,7 +129,7 @@ class Formatter:
     def _choice(self, job: Job, index: int, out: dict[str, Any]) -> dict[str, Any]:
         meta = out["meta_info"]
         choice: dict[str, Any] = {"index": index, **finish_fields(meta)}
-        logprobs = self.logprobs(job, meta, out["output_ids"], out["text"])
+        logprobs = self.logprobs(job, meta, out["output_ids"])
         if job.kind == "chat.completion":
             choice["message"] = {"role": "assistant", "content": out["text"]}
         else:
@@ -138,8 +138,7 @@ class Formatter:
         choice["weight_version"] = meta.get("weight_version")
         return choice
 
-    def logprobs(self, job: Job, meta: dict[str, Any], ids: list[int], text: str
-                 ) -> dict[str, Any] | None:
+    def logprobs(self, job: Job, meta: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
         if job.top_logprobs is None:
             return None
         lps = [finite(lp) for lp, _ in meta.get("output_token_logprobs", [])]
@@ -177,7 +176,7 @@ class Formatter:
             choice["delta"] = {"content": event["text"]} if event["text"] else {}
         else:
             choice["text"] = event["text"]
-        choice["logprobs"] = self.logprobs(job, meta, event["output_ids"], event["text"])
+        choice["logprobs"] = self.logprobs(job, meta, event["output_ids"])
         choice.update(finish_fields(meta))
         return choice
 

@@ -54,7 +54,7 @@ async def health(state: State) -> Response:
     incomplete = state.engine.weights.incomplete
     if incomplete is not None:
         return error_response(503, incomplete, "weights_incomplete")
-    return json_response({"status": "ok", "weight_version": state.engine.get_weight_version()})
+    return json_response({"status": "ok"})
 
 
 @inference.get("/get_weight_version")

@@ -136,19 +136,19 @@ async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Respons
 
 
 class GuardMiddleware:
-    """Keys and the body size limit, both enforced before the app reads the body; and request
-    counting by route."""
+    """Keys and the body size limit, both enforced before the app sees the request (a refused
+    request changes nothing); and request counting by route for the metrics."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None,
                  max_body_bytes: int, count: Callable[[str, int], None], routes: set[str],
                  control_paths: frozenset[str]):
         self.app = app
-        self.control_paths = control_paths
         self.api_key = api_key
         self.admin_key = admin_key
         self.max_body_bytes = max_body_bytes
         self.count = count
         self.routes = routes
+        self.control_paths = control_paths
 
     def _keys_for(self, path: str) -> list[str]:
         if path == "/health":
@@ -172,32 +172,35 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            refusal = self._refusal(scope)
-            if refusal is None:
-                body = await self._read_body(receive)
-                if body is None:
-                    refusal = error_response(
-                        400, f"request body exceeds {self.max_body_bytes} bytes",
-                        "invalid_request_error")
-            if refusal is not None:
-                await refusal(scope, receive, counted_send)
-                return
-            await self.app(scope, _replay(body, receive), counted_send)
+            await self._guarded(scope, receive, counted_send)
         finally:
             self.count(route, status[0])
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._refusal(scope)
+        body = None if refusal is not None else await self._read_body(receive)
+        if refusal is None and body is None:
+            refusal = self._too_large()
+        if refusal is not None:
+            await refusal(scope, receive, send)
+        else:
+            await self.app(scope, _replay(body, receive), send)
+
+    def _too_large(self) -> Response:
+        return error_response(400, f"request body exceeds {self.max_body_bytes} bytes",
+                              "invalid_request_error")
 
     def _refusal(self, scope: Scope) -> Response | None:
         keys = self._keys_for(scope["path"])
         if keys and not _authorized(scope, keys):
-            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                  "authentication_error")
+            response = error_response(401, "missing or invalid key (Authorization: Bearer ...)",
+                                      "authentication_error")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit():
             return error_response(400, "invalid Content-Length", "invalid_request_error")
-        if int(length) > self.max_body_bytes:
-            return error_response(400, f"request body exceeds {self.max_body_bytes} bytes",
-                                  "invalid_request_error")
-        return None
+        return self._too_large() if int(length) > self.max_body_bytes else None
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None when it is larger than the limit (chunked uploads)."""

@@ -587,7 +587,7 @@ def test_64_streams_while_a_trainer_updates_weights(engine, server, tmp_path):
         versions = [s["version"] for s in meta["weight_versions"]]
         if reason["type"] == "abort":
             # Only the v2 update aborts: what it caught was running under v1.
-            assert versions[-1] == "v1" and "abort" in reason["message"], meta
+            assert versions[-1:] in ([], ["v1"]) and "abort" in reason["message"], meta
         else:
             assert reason["type"] == "length", meta
             assert meta["completion_tokens"] == meta["max_new_tokens"], meta
@@ -602,9 +602,6 @@ def test_64_streams_while_a_trainer_updates_weights(engine, server, tmp_path):
           f"{len(errors)} errors, {reasons.count('abort')} aborted by the v2 update, "
           f"{len(split)} recomputed across v1; update calls took {trainer['timings']}")
     assert split and all(m["finish_reason"]["type"] == "length" for m in split)
-    bad = [m for m in split if m["num_retractions"] < 1]
-    if bad:
-        json.dump(bad[:3], open("/tmp/bad_split.json", "w"), indent=1)
     assert all(m["num_retractions"] >= 1 for m in split)
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     assert 'hotswap_weight_version_info{version="v2"} 1.0' in text
