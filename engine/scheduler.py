@@ -89,7 +89,6 @@ class Scheduler:
         return not self.paused and bool(self.running or self.waiting)
 
     def _loop(self) -> None:
-        torch.set_num_threads(torch.get_num_threads())
         while not self._stop.is_set():
             self._drain_inbox(block=not self.has_work)
             if self._stop.is_set():
