@@ -132,3 +132,31 @@ def test_decode_batch_of_different_lengths(tiny_llama_path):
         ours = torch.cat([step[i] for step in outs])
         ref = hf_logits(tiny_llama_path, seq.tokens)[-8:]
         assert (ours - ref).abs().max().item() < TOL
+
+
+def test_decode_rows_sharing_cached_prefix_slots(tiny_llama_path, monkeypatch):
+    """Rows whose table rows start with the same slots (as the radix cache hands them out):
+    the shared part is attended once for all rows and logits still equal HF's."""
+    runner = make_runner(tiny_llama_path)
+    prefix = random_ids(80, seed=5)
+    owner = Seq(runner, prefix)
+    run_step(runner, [(owner, 80)])
+    seqs = []
+    for i in range(4):
+        seq = Seq(runner, prefix + random_ids(6 + 3 * i, seed=20 + i))
+        runner.req_to_token_pool.write(seq.row, 0, runner.req_to_token_pool.req_to_token[
+            owner.row, :80].clone())
+        seq.computed, seq.last_loc = 80, int(runner.req_to_token_pool.req_to_token[owner.row, 79])
+        seqs.append(seq)
+    run_step(runner, [(s, 3 + 3 * i) for i, s in enumerate(seqs)])
+    calls = []
+    cascade = runner.attn_backend._cascade_decode
+    monkeypatch.setattr(runner.attn_backend, "_cascade_decode",
+                        lambda *a: calls.append(1) or cascade(*a))
+    outs = [run_step(runner, [(s, 1) for s in seqs]) for _ in range(3)]
+    assert len(calls) == 3 * runner.model_config.num_layers
+    for i, seq in enumerate(seqs):
+        ours = torch.cat([step[i] for step in outs])
+        end = 80 + 3 + 3 * i + 3
+        ref = hf_logits(tiny_llama_path, seq.tokens[:end])[end - 3: end]
+        assert (ours - ref).abs().max().item() < TOL
