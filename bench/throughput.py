@@ -9,6 +9,7 @@ Sampling at temperature 1.0, eos ignored on both sides so every request makes it
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -18,7 +19,6 @@ import transformers
 
 from hotswap.engine import Engine
 from hotswap.engine.models.fetch import ensure_model
-from hotswap.engine.schedule_policy import common_prefix_len
 
 TOPICS = ["the ocean", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "music",
           "glaciers", "rivers", "owls", "clocks", "maps", "tea", "bridges", "deserts"]
@@ -60,7 +60,7 @@ def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, i
 def unique_prefix_tokens(prompts: list[list[int]]) -> int:
     """Tokens a perfect prefix cache computes: the nodes of the prompts' trie."""
     ordered = sorted(prompts)
-    shared = sum(common_prefix_len(a, b) for a, b in zip(ordered, ordered[1:]))
+    shared = sum(len(os.path.commonprefix([a, b])) for a, b in zip(ordered, ordered[1:]))
     return sum(len(p) for p in ordered) - shared
 
 
