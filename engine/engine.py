@@ -171,12 +171,14 @@ class Engine:
             sp = SamplingParams.from_dict(p)
             self._check_request(ids, sp, lora)
             base = r or uuid.uuid4().hex
+            leader = None
             for k in range(sp.n):
                 reqs.append(Req(
                     rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
                     params=sp.for_sample(k), return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, cache_salt=salt, stream=stream,
-                    created=time.perf_counter()))
+                    group_leader=leader, created=time.perf_counter()))
+                leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
 
     def _prompt_ids(self, prompt: Any, input_ids: Any, messages: Any

@@ -49,6 +49,25 @@ class KVManager:
         self.req_to_token.write(row, 0, req.kv_slots)
         return True
 
+    def fork(self, req: Req, leader: Req) -> bool:
+        """Start `req` on the KV of `leader`'s prompt, which the tree must hold whole.
+
+        False (nothing taken) when no table row is free or part of the prompt is not yet in
+        the tree (an unaligned tail page is never shared).
+        """
+        prompt = len(leader.prompt_ids)
+        if leader.tree_prefix_len < prompt or leader.req_pool_idx is None:
+            return False
+        row = self.req_to_token.alloc()
+        if row is None:
+            return False
+        self.tree.inc_lock_ref(leader.last_node)
+        req.namespace, req.req_pool_idx, req.last_node = leader.namespace, row, leader.last_node
+        req.kv_slots = leader.kv_slots[:prompt].clone()
+        req.tree_prefix_len = req.cached_tokens = prompt
+        self.req_to_token.write(row, 0, req.kv_slots)
+        return True
+
     def alloc(self, reqs: list[Req], lens: list[int]) -> torch.Tensor | None:
         """Slots for `lens[i]` new tokens of each req (evicting if short); None if impossible."""
         need = sum(lens) + self.page_size * len(reqs)

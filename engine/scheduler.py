@@ -49,6 +49,9 @@ class Scheduler:
         self.ratio = NewTokenRatio()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        # n > 1: samples 1.. wait here until sample 0 has prefilled the prompt, then start on
+        # its KV and sample their first token from its logits (the prompt is computed once).
+        self.forks: dict[str, list[Req]] = {}
         self.paused = False
         self.hold_admission = False  # set while a flush waits for running requests to drain
         self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -120,9 +123,13 @@ class Scheduler:
             for req in payload:
                 if req.params.max_new_tokens == 0:
                     self.finish(req, FinishReason("length"))
+                    continue
+                self.stats["prompt_tokens"] += len(req.prompt_ids)
+                leader = req.group_leader
+                if leader is not None and not self.tree.disable and not leader.finished:
+                    self.forks.setdefault(leader.rid, []).append(req)
                 else:
                     self.waiting.append(req)
-                    self.stats["prompt_tokens"] += len(req.prompt_ids)
         elif kind == "abort":
             self._abort(*payload)
         elif kind == "call":
@@ -137,6 +144,12 @@ class Scheduler:
         def hit(req: Req) -> bool:
             return abort_all or req.rid == rid or req.rid.startswith(f"{rid}-")
 
+        for leader_rid, forks in list(self.forks.items()):
+            for req in [r for r in forks if hit(r)]:
+                forks.remove(req)
+                self.finish(req, FinishReason("abort", message="aborted by request"))
+            if not forks:
+                del self.forks[leader_rid]
         for req in [r for r in self.waiting if hit(r)]:
             self.waiting.remove(req)
             self.finish(req, FinishReason("abort", message="aborted by request"))
@@ -149,6 +162,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.release(req, self.is_live(req))
+        self.waiting[:0] = self.forks.pop(req.rid, [])  # the leader is gone: prefill normally
         self.outputs.emit(req)
 
     def abort_running(self, message: str) -> None:
@@ -156,7 +170,8 @@ class Scheduler:
             self.finish(req, FinishReason("abort", message=message))
 
     def abort_waiting(self, message: str) -> None:
-        waiting, self.waiting = self.waiting, []
+        waiting = self.waiting + [r for forks in self.forks.values() for r in forks]
+        self.waiting, self.forks = [], {}
         for req in waiting:
             self.finish(req, FinishReason("abort", message=message))
 
@@ -261,13 +276,21 @@ class Scheduler:
         return BatchRow(req, extend, samples=extend == todo)
 
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str) -> None:
-        sampling_rows = batch.sampling_rows
         for row in batch.rows:
             if not row.samples:  # a chunk: share what is computed so far
                 self.kv.cache_unfinished(row.req, self.is_live(row.req))
-        if not sampling_rows:
+        # (request, logits row) pairs; forked samples read their leader's row
+        entries = [(row.req, i) for i, row in enumerate(batch.sampling_rows)]
+        for req, i in list(entries):
+            if not req.prefill_done:
+                req.prefill_done = True
+                self.kv.cache_unfinished(req, self.is_live(req))
+                entries += [(fork, i) for fork in self._start_forks(req)]
+        if not entries:
             return
-        reqs = [row.req for row in sampling_rows]
+        if len(entries) > logits.shape[0]:
+            logits = logits[torch.tensor([i for _, i in entries], device=logits.device)]
+        reqs = [req for req, _ in entries]
         info = SamplingBatchInfo.build(
             [r.params for r in reqs], [r.output_ids for r in reqs], [r.prompt_ids for r in reqs],
             [len(r.output_ids) for r in reqs], self.outputs.eos_ids,
@@ -287,14 +310,27 @@ class Scheduler:
                 req.output_top_logprobs.append(tops[i][: req.top_logprobs_num])
             req.stamp(version)
             self.stats["generated_tokens"] += 1
-            if not req.prefill_done:
-                req.prefill_done = True
-                self.kv.cache_unfinished(req, self.is_live(req))
             reason = self.outputs.check_finish(req)
             if reason is not None:
                 self.finish(req, reason)
             elif req.stream:
                 self.outputs.emit(req)
+
+    def _start_forks(self, leader: Req) -> list[Req]:
+        """Start the samples waiting on `leader`'s prompt; those that cannot go to the queue."""
+        started = []
+        for req in self.forks.pop(leader.rid, []):
+            room = len(self.running) < self.config.max_running_requests
+            if room and self.is_live(leader) and self.kv.fork(req, leader):
+                req.prefill_done = True
+                self.running.append(req)
+                self._admit_counter += 1
+                req.admit_seq = self._admit_counter
+                self.stats["cached_tokens"] += req.kv_len
+                started.append(req)
+            else:
+                self.waiting.insert(0, req)
+        return started
 
     @staticmethod
     def _top_lists(out: Any, reqs: list[Req]) -> list[list[list[float | int]]]:

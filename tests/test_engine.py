@@ -73,13 +73,16 @@ def test_logprobs_are_of_the_sampling_distribution(engine):
 
 def test_n_samples_share_one_prefill(engine):
     prompt = "Tell me a long story about a dragon who lived in a mountain. " * 3
+    engine.flush_cache()
+    before = engine.scheduler.stats["prefill_tokens"]
     outs = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 4, "n": 4,
                                                            "seed": 7})
     assert [o["meta_info"]["id"].rsplit("-", 1)[1] for o in outs] == ["0", "1", "2", "3"]
     cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
     prompt_len = outs[0]["meta_info"]["prompt_tokens"]
-    assert cached[0] == 0 and all(c == prompt_len - 1 for c in cached[1:])
+    assert cached == [0, prompt_len, prompt_len, prompt_len]
     assert len({tuple(o["output_ids"]) for o in outs}) > 1  # distinct seeds per sample
+    assert engine.scheduler.stats["prefill_tokens"] - before == prompt_len  # computed once
 
 
 def test_deterministic_mode_ignores_batch_mates(tiny_chat_model_path):
@@ -177,3 +180,19 @@ def test_abort_running_request(engine):
     last = list(stream)[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_n_samples_with_pages_and_streaming(tiny_chat_model_path, page_size):
+    with Engine(tiny_chat_model_path, max_total_tokens=4096, page_size=page_size) as eng:
+        prompts = ["A prompt of some length to share", "Another one"]
+        params = {"max_new_tokens": 5, "n": 3, "seed": 11, "ignore_eos": True}
+        outs = eng.generate(prompt=prompts, sampling_params=params)
+        events = list(eng.generate(prompt=prompts, sampling_params=params, stream=True))
+        eng.check_integrity()
+    assert len(outs) == 6 and all(len(o["output_ids"]) == 5 for o in outs)
+    streamed: dict[str, list[int]] = {}
+    for ev in events:
+        streamed.setdefault(ev["meta_info"]["id"].split("-")[-1] + str(
+            ev["meta_info"]["prompt_tokens"]), []).extend(ev["output_ids"])
+    assert sorted(len(v) for v in streamed.values()) == [5] * 6
