@@ -10,7 +10,7 @@ from hotswap.engine.request import Req
 LPM_MAX_QUEUE = 128
 # A request sharing at least this many more tokens with one admitted in the same step waits a
 # step, so that it reads the other's KV from the cache instead of computing it again.
-IN_BATCH_SHARE_MIN = 32
+IN_BATCH_SHARE_MIN = 16
 
 
 def order_waiting(waiting: list[Req], policy: str, prefix_len: dict[str, int]) -> list[Req]:
