@@ -113,6 +113,7 @@ def test_paged_view_reads_exactly_each_rows_tokens(case, page_size):
     idx = build_paged_kv_indices(step.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu,
                                  fb.extend_seq_lens_cpu, page_size)
     k_buf = step.pool.k_buffers[1]
+    k_buf.normal_()  # the pool is allocated uninitialised: NaN garbage would fail torch.equal
     view = paged_view(k_buf, page_size)
     for i, row in enumerate(fb.req_pool_indices.tolist()):
         row_pages = idx.kv_indices[idx.kv_indptr[i]: idx.kv_indptr[i + 1]].long()
