@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -111,7 +111,6 @@ class EngineConfig:
     mem_fraction: float = 0.3
     context_length: int | None = None
     weight_update_timeout_s: float = 300.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

@@ -264,13 +264,16 @@ class Engine:
 
     def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
                                    flush_cache: bool = True, pause_mode: str = "retract") -> dict:
-        """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine."""
-        return self.weights.update_from_tensor(named_tensors, weight_version, flush_cache,
-                                               pause_mode)
+        """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine.
+
+        flush_cache is accepted for API compatibility: every commit retires all KV of older
+        versions and frees it at once, so there is nothing left for a flush to drop.
+        """
+        return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                  flush_cache: bool = True, pause_mode: str = "retract") -> dict:
-        return self.weights.update_from_disk(model_path, weight_version, flush_cache, pause_mode)
+        return self.weights.update_from_disk(model_path, weight_version, pause_mode)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -285,7 +288,7 @@ class Engine:
                                         flush_cache: bool = True, pause_mode: str = "retract",
                                         load_format: str | None = None) -> dict:
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
-                                                    weight_version, flush_cache, pause_mode,
+                                                    weight_version, pause_mode,
                                                     load_format)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:

@@ -126,8 +126,7 @@ class WeightManager:
             raise ValueError("the update holds no tensors")
 
     def update_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping,
-                           weight_version: str | None, flush_cache: bool,
-                           pause_mode: str) -> dict:
+                           weight_version: str | None, pause_mode: str) -> dict:
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
                      else named_tensors)
         if any(not isinstance(t, torch.Tensor) for _, t in items):
@@ -139,7 +138,7 @@ class WeightManager:
         version = self._prepare(weight_version, pause_mode)
         return self._commit(lambda: self._copy_in(items), names, version, pause_mode)
 
-    def update_from_disk(self, model_path: str, weight_version: str | None, flush_cache: bool,
+    def update_from_disk(self, model_path: str, weight_version: str | None,
                          pause_mode: str) -> dict:
         meta = read_checkpoint_meta(model_path)
         self._validate(meta, complete=True)
@@ -165,7 +164,7 @@ class WeightManager:
 
     def update_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                 shapes: Sequence[Sequence[int]], group_name: str,
-                                weight_version: str | None, flush_cache: bool, pause_mode: str,
+                                weight_version: str | None, pause_mode: str,
                                 load_format: str | None) -> dict:
         group = self._groups.get(group_name)
         if group is None:
