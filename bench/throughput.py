@@ -9,6 +9,7 @@ Sampling at temperature 1.0, eos ignored on both sides so every request makes it
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import resource
 import statistics
@@ -77,7 +78,9 @@ def run_hotswap(engine: Engine, prompts: list[list[int]], n: int, new: int) -> d
             "prompt_submitted": after["prompt_tokens"] - before["prompt_tokens"]}
 
 
-def run_hf(model, prompts: list[list[int]], n: int, new: int, pad_id: int) -> dict:
+def run_hf(path: str, prompts: list[list[int]], n: int, new: int, pad_id: int) -> dict:
+    """HF generate with static batching and left padding (runs in its own process)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -99,10 +102,11 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
+    # HF runs in a separate process: two OpenMP thread teams in one process on 2 cores slow
+    # each other down (see README), which would bias the comparison either way.
+    hf_pool = None if args.skip_hf else mp.get_context("spawn").Pool(1)
     engine = Engine(path, dtype="float32")
     tokenizer = engine.tokenizer
-    hf = None if args.skip_hf else transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     print(f"torch threads: {torch.get_num_threads()}, model: {path}")
     print(f"{'workload':<10}{'hotswap tok/s':>15}{'HF tok/s':>12}{'ratio':>8}"
@@ -112,16 +116,20 @@ def main() -> None:
         engine.flush_cache()
         ours_med = statistics.median(r["tok_s"] for r in ours)
         hf_med = float("nan")
-        if hf is not None:
-            hf_med = statistics.median(run_hf(hf, prompts, n, new, pad)["tok_s"]
-                                       for _ in range(args.repeats))
+        if hf_pool is not None:
+            hf_med = statistics.median(
+                hf_pool.apply(run_hf, (path, prompts, n, new, pad))["tok_s"]
+                for _ in range(args.repeats))
         unique = unique_prefix_tokens(prompts)
         r = ours[0]
         print(f"{name:<10}{ours_med:>15.1f}{hf_med:>12.1f}{ours_med / hf_med:>8.2f}"
-              f"{r['prefill_computed']:>14} / {r['prompt_submitted']:<8} (unique {unique})")
+              f"{r['prefill_computed']:>14} / {r['prompt_submitted']:<8} (unique {unique})",
+              flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak RSS: {rss:.0f} MiB")
+    print(f"peak RSS (hotswap process): {rss:.0f} MiB")
     engine.shutdown()
+    if hf_pool is not None:
+        hf_pool.close()
 
 
 if __name__ == "__main__":
