@@ -51,8 +51,9 @@ class KVPool:
         return bool(self.k_buffers)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        self.v_buffers[layer_id][loc] = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_buffers[layer_id].index_copy_(0, loc, k.reshape(shape))
+        self.v_buffers[layer_id].index_copy_(0, loc, v.reshape(shape))
 
 
 class TokenToKVPoolAllocator:

@@ -90,8 +90,8 @@ class TorchAttnBackend(AttentionBackend):
             n, lq = g.q_index.shape
             qg = q if g.identity else q[g.q_index]
             qg = qg.reshape(n, lq, self.num_heads, self.head_dim).transpose(1, 2)
-            kg = k_buf[g.kv_slots].transpose(1, 2)
-            vg = v_buf[g.kv_slots].transpose(1, 2)
+            kg = _gather(k_buf, g.kv_slots).transpose(1, 2)
+            vg = _gather(v_buf, g.kv_slots).transpose(1, 2)
             if g.shared_slots is not None:
                 og = self._cascade_decode(qg, kg, vg, g, k_buf, v_buf)
             else:
@@ -116,8 +116,8 @@ class TorchAttnBackend(AttentionBackend):
         n, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         qh = q.reshape(n, hkv, group, d)  # q head h reads kv head h // group
-        kp = k_buf[g.shared_slots].permute(1, 2, 0)  # [Hkv, D, P]
-        vp = v_buf[g.shared_slots].transpose(0, 1)  # [Hkv, P, D]
+        kp = _gather(k_buf, g.shared_slots).permute(1, 2, 0)  # [Hkv, D, P]
+        vp = _gather(v_buf, g.shared_slots).transpose(0, 1)  # [Hkv, P, D]
         flat_q = qh.transpose(0, 1).reshape(hkv, n * group, d)
         s_prefix = torch.bmm(flat_q, kp).view(hkv, n, group, -1).transpose(0, 1)
         s_suffix = torch.matmul(qh, k.transpose(-1, -2))  # [n, Hkv, G, Lx]
@@ -128,6 +128,12 @@ class TorchAttnBackend(AttentionBackend):
         o_prefix = torch.bmm(p_prefix.transpose(0, 1).reshape(hkv, n * group, -1), vp)
         out = o_prefix.view(hkv, n, group, d).transpose(0, 1) + torch.matmul(p_suffix, v)
         return out.reshape(n, self.num_heads, 1, d)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """buf[slots] through index_select on a flat index: about 5x faster than advanced indexing
+    on CPU for [64, 110] slots of [3, 64] rows."""
+    return buf.index_select(0, slots.flatten()).view(*slots.shape, *buf.shape[1:])
 
 
 def _shared_prefix_len(table: torch.Tensor, limit: int) -> int:
