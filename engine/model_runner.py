@@ -31,6 +31,7 @@ class ModelRunner:
             model = build_model(model_config, config.context_length)
         self.model = model.to_empty(device=self.device).to(self.dtype)
         self.model.eval().requires_grad_(False)
+        self._flatten_parameters()
         load_checkpoint(self.model, config.model_path)
         self.weight_map = self.model.hf_weight_map()
 
@@ -48,6 +49,20 @@ class ModelRunner:
         self.attn_backend = backend_cls(
             self.kv_pool, self.req_to_token_pool.req_to_token, model_config.num_heads,
             model_config.num_kv_heads, model_config.head_dim, model_config.head_dim ** -0.5)
+
+    def _flatten_parameters(self) -> None:
+        """Lay every parameter out in one buffer, in HF module order.
+
+        A trainer's bucket of consecutive same-dtype tensors then covers one contiguous span of
+        the engine's storage, and the receiver broadcasts straight into it (no staging copy).
+        """
+        params = list({id(s.param): s.param for s in self.model.hf_weight_map().values()}
+                      .values())
+        flat = torch.empty(sum(p.numel() for p in params), dtype=self.dtype, device=self.device)
+        offset = 0
+        for p in params:
+            p.data = flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
 
     def _num_kv_tokens(self) -> int:
         if self.config.max_total_tokens is not None:

@@ -396,3 +396,17 @@ def test_cross_process_send_then_receiver_dies_mid_transfer(port):
         target.proc.kill()
         target.proc.join()
         sender.close([])
+
+
+def test_contiguous_destinations_are_received_as_one_span():
+    from hotswap.weight_sync.receiver import _contiguous_span
+
+    flat = torch.zeros(10)
+    a, b = flat[:4].view(2, 2), flat[4:10].view(3, 2)
+    span = _contiguous_span([a, b], torch.device("cpu"))
+    assert span is not None and span.data_ptr() == flat.data_ptr() and span.numel() == 10
+    span.copy_(torch.arange(10.0))
+    assert a.flatten().tolist() == [0, 1, 2, 3] and b.flatten().tolist() == [4, 5, 6, 7, 8, 9]
+    assert _contiguous_span([b, a], torch.device("cpu")) is None  # out of order
+    assert _contiguous_span([a, torch.zeros(6)], torch.device("cpu")) is None  # other storage
+    assert _contiguous_span([a, None], torch.device("cpu")) is None

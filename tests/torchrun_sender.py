@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -42,11 +43,22 @@ def perturbed(model_path: str, seed: int, scale: float = 0.1, dtype: str = "floa
     tensors = load_file(os.path.join(model_path, "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name in sorted(tensors):
+    for name in hf_module_order(model_path, tensors):
         base = tensors[name].float()
         noise = torch.randn(base.shape, generator=gen)
         out[name] = (base + scale * base.abs().mean() * noise).to(DTYPES[dtype])
     return out
+
+
+def hf_module_order(model_path: str, names: Iterable[str]) -> list[str]:
+    """`names` in the order an HF model's named_parameters() yields them, as a trainer sends."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    rank = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
 def save_checkpoint(tensors: Tensors, src_dir: str, out_dir: str, drop: tuple[str, ...] = ()

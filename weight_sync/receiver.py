@@ -126,7 +126,10 @@ def _bucketed(
 
     def start(i: int) -> tuple[torch.Tensor, object]:
         bucket = buckets[i]
-        if all(s.name in dests for s in bucket.specs):
+        span = _contiguous_span([dests.get(s.name) for s in bucket.specs], group.device)
+        if span is not None:
+            flat = span  # the destinations lie back to back: receive straight into them
+        elif all(s.name in dests for s in bucket.specs):
             flat = _pooled(pool, i % 2, bucket, group.device)
         else:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)
@@ -151,6 +154,21 @@ def _bucketed(
         raise
 
 
+def _contiguous_span(dests: list[torch.Tensor | None], device: torch.device
+                     ) -> torch.Tensor | None:
+    """A flat view over `dests` when they are contiguous and back to back in one storage."""
+    if any(d is None or d.device != device or not d.is_contiguous() for d in dests):
+        return None
+    first = dests[0]
+    storage, expected = first.untyped_storage().data_ptr(), first.data_ptr()
+    for d in dests:
+        if d.untyped_storage().data_ptr() != storage or d.data_ptr() != expected:
+            return None
+        expected += d.numel() * d.element_size()
+    total = sum(d.numel() for d in dests)
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
 def _pooled(pool: list[torch.Tensor | None], slot: int, bucket: Bucket,
             device: torch.device) -> torch.Tensor:
     buf = pool[slot]
@@ -162,7 +180,7 @@ def _pooled(pool: list[torch.Tensor | None], slot: int, bucket: Bucket,
 def _deliver(buf: torch.Tensor, dest: torch.Tensor | None, out: torch.device) -> torch.Tensor:
     if dest is None:
         return buf.to(out)
-    if buf is not dest:
+    if buf.data_ptr() != dest.data_ptr():
         dest.copy_(buf)
     return dest
 

@@ -133,9 +133,8 @@ class LlamaForCausalLM(nn.Module):
                 out[f"{prefix}.{part}.{kind}"] = WeightSlot(param, start, start + size)
                 start += size
 
+        # HF's module order (a trainer's named_parameters order): see ModelRunner's flat layout.
         whole("model.embed_tokens.weight", self.model.embed_tokens.weight)
-        whole("model.norm.weight", self.model.norm.weight)
-        whole("lm_head.weight", self.lm_head_weight)
         qkv = [("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)]
         gate_up = [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)]
         for i, layer in enumerate(self.model.layers):
@@ -152,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
             whole(f"{p}.mlp.down_proj.weight", layer.mlp.down_proj.weight)
             whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
             whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        whole("model.norm.weight", self.model.norm.weight)
+        whole("lm_head.weight", self.lm_head_weight)
         return out
 
     def required_weight_names(self) -> set[str]:
