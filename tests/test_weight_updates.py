@@ -540,7 +540,7 @@ def test_torchrun_rank0_sends_while_default_group_exists(tiny_chat_model_path, t
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-        assert proc.returncode == 0, stderr[-3000:]
+        assert proc.returncode == 0, stderr[:3000] + "\n...\n" + stderr[-3000:]
         result = json.loads(stdout.strip().splitlines()[-1])
         assert result["world_size"] == 2 and result["sums"] == [3.0, 3.0]
         assert result["replies"][0]["weight_version"] == "trained-1"

@@ -7,6 +7,7 @@ RemoteEngine over HTTP. Each target takes one rank: target i is rank 1 + i.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -184,12 +185,20 @@ class WeightSender:
             # Two buffers: bucket k+1 is flattened while bucket k is on the wire.
             pool: list[torch.Tensor | None] = [None, None]
             pending: list[Any] = [None, None]
-            for i, bucket in enumerate(buckets):
-                slot = i % 2
-                self.group.wait(pending[slot])
-                parts = [by_name[s.name].detach().to(device) for s in bucket.specs]
-                pending[slot] = self.group.broadcast_start(
-                    _flatten_into(pool, slot, bucket, parts, device))
+            try:
+                for i, bucket in enumerate(buckets):
+                    slot = i % 2
+                    self.group.wait(pending[slot])
+                    pending[slot] = None
+                    parts = [by_name[s.name].detach().to(device) for s in bucket.specs]
+                    pending[slot] = self.group.broadcast_start(
+                        _flatten_into(pool, slot, bucket, parts, device))
+            except BaseException:
+                # Never drop a broadcast still in flight: its buffer and the group must outlive it.
+                for work in pending:
+                    with contextlib.suppress(Exception):
+                        self.group.wait(work)
+                raise
             for work in pending:
                 self.group.wait(work)
 
