@@ -92,23 +92,30 @@ class Scheduler:
         return not self.paused and bool(self.running or self.waiting)
 
     def _loop(self) -> None:
+        idle_wait = None  # block on the inbox: None = until something arrives
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.has_work)
+            self._drain_inbox(block=not self.has_work or idle_wait is not None,
+                              timeout=idle_wait)
             if self._stop.is_set():
                 break
             if not self.has_work:
                 continue
             try:
-                self.step()
+                # Work that cannot be scheduled yet (e.g. admission held for a flush) must not
+                # spin the thread: wait briefly on the inbox before trying again.
+                idle_wait = None if self.step() else 0.01
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
                 logger.error("step failed: %s", traceback.format_exc())
                 self.abort_running(f"internal error in forward step: {exc!r}")
             if not self.running and not self.waiting:
                 self.kv.check_integrity([])
+        message = "aborted: the engine shut down"
+        self.abort_running(message)
+        self.abort_waiting(message)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
-            item = self._inbox.get(block=block)
+            item = self._inbox.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return
         while True:
@@ -187,10 +194,11 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: -r.admit_seq):
             self.retract(req)
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One forward step; False when nothing could be scheduled."""
         batch = self._schedule()
         if batch is None:
-            return
+            return False
         version = self.weight_version()
         if self.config.deterministic:
             logits = torch.cat([self.runner.forward(ScheduleBatch.build([row], self.runner.device)
@@ -200,6 +208,7 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
         self._process(batch, logits, version)
+        return True
 
     def _schedule(self) -> ScheduleBatch | None:
         rows = self._reserve_decode()

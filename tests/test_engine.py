@@ -196,3 +196,11 @@ def test_n_samples_with_pages_and_streaming(tiny_chat_model_path, page_size):
         streamed.setdefault(ev["meta_info"]["id"].split("-")[-1] + str(
             ev["meta_info"]["prompt_tokens"]), []).extend(ev["output_ids"])
     assert sorted(len(v) for v in streamed.values()) == [5] * 6
+
+
+def test_shutdown_aborts_requests_in_flight(tiny_chat_model_path):
+    eng = Engine(tiny_chat_model_path, max_total_tokens=4096)
+    stream = eng.generate(prompt="Count:", sampling_params=greedy(100000), stream=True)
+    assert next(stream)["meta_info"]["finish_reason"] is None
+    eng.shutdown()
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
