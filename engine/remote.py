@@ -143,7 +143,7 @@ class RemoteEngine:
         return response.text
 
     def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> dict:
-        raise NotImplementedError("tensors do not travel over HTTP: use a WeightSender "
+        raise TypeError("tensors do not travel over HTTP: use a WeightSender "
                                   "(update_weights_from_distributed) or update_weights_from_disk")
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,

@@ -85,7 +85,7 @@ def test_errors_map_to_python_exceptions(server, remote):
     with pytest.raises(RemoteEngineError) as err:  # this engine has no memory release
         remote.release_memory_occupation()
     assert err.value.status == 404
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(TypeError, match="do not travel over HTTP"):
         remote.update_weights_from_tensor({"x": torch.zeros(1)})
     assert repr(remote) == f"RemoteEngine('{server.url}')"
 
