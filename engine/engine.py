@@ -24,6 +24,7 @@ from hotswap.engine.weight_manager import WeightManager
 
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
 _PAUSE_MODES = ("abort", "retract", "in_place")
+_MEMORY_TAGS = ("weights", "kv_cache")
 
 
 class Engine:
@@ -259,6 +260,18 @@ class Engine:
     def flush_cache(self, timeout_s: float | None = None) -> dict:
         return self.weights.flush_cache(timeout_s)
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Free "weights" and/or "kv_cache" memory (None: both) while nothing is queued or
+        running, e.g. while a colocated trainer trains. Released weights lose their values:
+        after resume_memory_occupation, generation is refused until an update rewrites every
+        tensor. Requests sent while the KV cache is released wait for its resume."""
+        tags = _memory_tags(tags)
+        return self.scheduler.call(lambda: self.weights.release_memory(tags)).result()
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        tags = _memory_tags(tags)
+        return self.scheduler.call(lambda: self.weights.resume_memory(tags)).result()
+
     def get_weight_version(self) -> str:
         return self.weights.version
 
@@ -304,6 +317,14 @@ class Engine:
     def get_server_info(self) -> dict:
         return {"stats": dict(self.scheduler.stats), "weight_version": self.weights.version,
                 "kv_pool_tokens": self.runner.allocator.size}
+
+
+def _memory_tags(tags: list[str] | None) -> list[str]:
+    if tags is None:
+        return list(_MEMORY_TAGS)
+    if not isinstance(tags, list) or not tags or any(t not in _MEMORY_TAGS for t in tags):
+        raise ValueError(f"tags must be a non-empty list drawn from {list(_MEMORY_TAGS)}")
+    return tags
 
 
 def _in_own_thread(fn: Callable[[], Any]) -> Any:

@@ -56,13 +56,29 @@ class ModelRunner:
         A trainer's bucket of consecutive same-dtype tensors then covers one contiguous span of
         the engine's storage, and the receiver broadcasts straight into it (no staging copy).
         """
-        params = list({id(s.param): s.param for s in self.model.hf_weight_map().values()}
-                      .values())
-        flat = torch.empty(sum(p.numel() for p in params), dtype=self.dtype, device=self.device)
+        params = {id(s.param): s.param for s in self.model.hf_weight_map().values()}
+        self._param_shapes = [(p, p.shape) for p in params.values()]
+        self._allocate_parameters()
+
+    def _allocate_parameters(self) -> None:
+        total = sum(shape.numel() for _, shape in self._param_shapes)
+        flat = torch.empty(total, dtype=self.dtype, device=self.device)
         offset = 0
-        for p in params:
-            p.data = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, shape in self._param_shapes:
+            p.data = flat[offset: offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        self.weights_released = False
+
+    def release_weights(self) -> None:
+        """Free the parameter storage; their values are gone until weights are pushed again."""
+        for p, _ in self._param_shapes:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.weights_released = True
+
+    def resume_weights(self) -> None:
+        """Storage back (values undefined)."""
+        if self.weights_released:
+            self._allocate_parameters()
 
     def _num_kv_tokens(self) -> int:
         if self.config.max_total_tokens is not None:

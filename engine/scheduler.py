@@ -89,7 +89,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return not self.paused and bool(self.running or self.waiting)
+        ready = not self.paused and self.runner.kv_pool.allocated
+        return ready and bool(self.running or self.waiting)
 
     def _loop(self) -> None:
         idle_wait = None  # block on the inbox: None = until something arrives

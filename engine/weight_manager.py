@@ -55,8 +55,8 @@ class WeightManager:
     def check_servable(self) -> None:
         if self.incomplete is not None:
             raise WeightsIncompleteError(
-                f"weights are incomplete after a failed update ({self.incomplete}); "
-                "generation is refused until a complete update succeeds")
+                f"weights are incomplete ({self.incomplete}); generation is refused until an "
+                "update rewrites every affected tensor")
 
     # pause / continue / flush (scheduler thread)
 
@@ -100,6 +100,33 @@ class WeightManager:
         sched.check_integrity()
         return None
 
+    # memory occupation (scheduler thread)
+
+    def release_memory(self, tags: list[str]) -> dict:
+        """Free weight and/or KV memory; only when no request is queued or running."""
+        sched = self.scheduler
+        busy = len(sched.running) + len(sched.waiting) + sum(map(len, sched.forks.values()))
+        if busy:
+            return {"success": False, "message": f"{busy} request(s) queued or running; "
+                    "wait for them or abort them before releasing memory"}
+        if "kv_cache" in tags and self.runner.kv_pool.allocated:
+            sched.tree.reset()
+            self.runner.allocator.clear()
+            self.runner.kv_pool.release()
+        if "weights" in tags and not self.runner.weights_released:
+            self.runner.release_weights()
+            self._damaged = self.runner.model.required_weight_names()
+            self.incomplete = ("weights were released by release_memory_occupation; resume "
+                               "them and push a complete update")
+        return {"success": True, "message": f"released {', '.join(tags)}"}
+
+    def resume_memory(self, tags: list[str]) -> dict:
+        if "kv_cache" in tags and not self.runner.kv_pool.allocated:
+            self.runner.kv_pool.allocate()
+        if "weights" in tags:
+            self.runner.resume_weights()
+        return {"success": True, "message": f"resumed {', '.join(tags)}"}
+
     # reads
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
@@ -120,6 +147,8 @@ class WeightManager:
 
     def _validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
                   complete: bool) -> None:
+        if self.runner.weights_released:
+            raise ValueError("weights are released: call resume_memory_occupation first")
         required = self.runner.model.required_weight_names() if complete else ()
         check_weights(self.runner.weight_map, meta, required)
         if not meta:

@@ -12,7 +12,6 @@ from fixtures import serve, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
-from hotswap.engine.remote import RemoteEngineError
 from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.group import WeightSyncError
 
@@ -82,9 +81,10 @@ def test_errors_map_to_python_exceptions(server, remote):
         RemoteEngine(server.url, api_key="wrong").generate(prompt=PROMPT)
     with pytest.raises(PermissionError):
         RemoteEngine(server.url, api_key=API_KEY).flush_cache()
-    with pytest.raises(RemoteEngineError) as err:  # this engine has no memory release
-        remote.release_memory_occupation()
-    assert err.value.status == 404
+    with pytest.raises(ValueError):
+        remote.release_memory_occupation(["gpu"])
+    assert remote.release_memory_occupation(["kv_cache"])["success"]
+    assert remote.resume_memory_occupation(["kv_cache"])["success"]
     with pytest.raises(TypeError, match="do not travel over HTTP"):
         remote.update_weights_from_tensor({"x": torch.zeros(1)})
     assert repr(remote) == f"RemoteEngine('{server.url}')"
