@@ -204,3 +204,15 @@ def test_shutdown_aborts_requests_in_flight(tiny_chat_model_path):
     assert next(stream)["meta_info"]["finish_reason"] is None
     eng.shutdown()
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_streamed_text_never_shows_the_stop_string(engine):
+    base = engine.generate(prompt="Once upon a time", sampling_params=greedy(20))["text"]
+    stop = base[6:10]
+    params = greedy(20, stop=[stop])
+    full = engine.generate(prompt="Once upon a time", sampling_params=params)
+    chunks = list(engine.generate(prompt="Once upon a time", sampling_params=params,
+                                  stream=True))
+    streamed = "".join(c["text"] for c in chunks)
+    assert streamed == full["text"] == base[: base.find(stop)]
+    assert stop not in streamed
