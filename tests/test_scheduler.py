@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -76,3 +77,48 @@ def test_shared_prefix_is_computed_once(tiny_chat_model_path):
     unique = len(system) + sum(len(q) - len(system) for q in qs)
     assert computed <= unique * 1.05
     assert sum(o["meta_info"]["cached_tokens"] > 0 for o in outs) == 15
+
+
+@pytest.mark.parametrize("page_size, pool, chunk, policy", [
+    (1, 170, 16, "lpm"), (8, 256, 24, "fcfs"), (4, 200, -1, "lpm")])
+def test_random_load_with_aborts_on_a_tiny_pool(tiny_chat_model_path, page_size, pool, chunk,
+                                                policy):
+    """Seeded mix of lengths, n, temperatures, seeds, streams and aborts from 24 threads."""
+    results: list[str] = []
+    errors: list[str] = []
+    with Engine(tiny_chat_model_path, max_total_tokens=pool, page_size=page_size,
+                chunked_prefill_size=chunk, schedule_policy=policy,
+                max_running_requests=8) as eng:
+        def worker(i: int) -> None:
+            rng = random.Random(i)
+            ids = [5, 6, 7, 8] * rng.randrange(0, 10) + [
+                rng.randrange(3, 400) for _ in range(rng.randrange(1, 60))]
+            params = {"max_new_tokens": rng.randrange(1, 50), "n": rng.choice([1, 1, 2, 3]),
+                      "temperature": rng.choice([0, 0.7, 1.0]),
+                      "seed": rng.choice([None, i]), "ignore_eos": True}
+            try:
+                if rng.random() < 0.25:
+                    last = None
+                    for k, event in enumerate(eng.generate(input_ids=ids, sampling_params=params,
+                                                           stream=True, rid=f"s{i}")):
+                        last = event
+                        if k == 2:
+                            eng.abort_request(f"s{i}")
+                    results.append(last["meta_info"]["finish_reason"]["type"])
+                    return
+                outs = eng.generate(input_ids=ids, sampling_params=params)
+                for out in outs if isinstance(outs, list) else [outs]:
+                    assert len(out["output_ids"]) == params["max_new_tokens"]
+                    results.append(out["meta_info"]["finish_reason"]["type"])
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        eng.check_integrity()
+    assert errors == []
+    assert len(results) >= 24 and set(results) <= {"length", "abort"}
