@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch by default; GPU users install their CUDA torch into the venv first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup model demo test test-fast bench bench-weight-sync lint
+.PHONY: setup model demo test test-fast test-gpu bench bench-weight-sync lint
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ test: model
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+
+# On a CUDA machine with triton and flashinfer installed: the kernel checks skipped on CPU.
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu
 
 bench: model
 	$(BIN)/python bench/throughput.py
