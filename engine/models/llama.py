@@ -14,6 +14,7 @@ from torch import nn
 
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.layers.linear import Linear, linear
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -35,8 +36,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -61,8 +62,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -105,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = LlamaModel(cfg, max_positions)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -116,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [len(fb.logits_indices), vocab] for the rows that sample."""
         hidden = self.model(fb)[fb.logits_indices]
-        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+        return linear(self.model.norm(hidden), self.lm_head_weight).float()
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Every HF checkpoint name this model takes, mapped to where it lands."""
