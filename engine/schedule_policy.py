@@ -9,8 +9,12 @@ from hotswap.engine.request import Req
 # Matching every waiting request against the tree each step stops paying off past this.
 LPM_MAX_QUEUE = 128
 # A request sharing at least this many more tokens with one admitted in the same step waits a
-# step, so that it reads the other's KV from the cache instead of computing it again.
+# step, so that it reads the other's KV from the cache instead of computing it again; so does
+# one whose shared part (of at least IN_BATCH_SHARE_FLOOR tokens) is a quarter or more of what
+# it would compute. A one-step delay is not worth a few tokens of a long prompt.
 IN_BATCH_SHARE_MIN = 16
+IN_BATCH_SHARE_FLOOR = 4
+IN_BATCH_SHARE_FRACTION = 0.25
 
 
 def order_waiting(waiting: list[Req], policy: str, prefix_len: dict[str, int]) -> list[Req]:
@@ -71,8 +75,12 @@ class PrefillAdder:
 
     def shares_with_admitted(self, req: Req, cached: int) -> bool:
         ids = req.fill_ids
-        return any(common_prefix_len(ids, other) - cached >= IN_BATCH_SHARE_MIN
-                   for other in self.admitted_ids)
+        shared = max((common_prefix_len(ids, other) for other in self.admitted_ids),
+                     default=0) - cached
+        if shared >= IN_BATCH_SHARE_MIN:
+            return True
+        return (shared >= IN_BATCH_SHARE_FLOOR
+                and shared >= IN_BATCH_SHARE_FRACTION * (len(ids) - cached))
 
     def plan_extend(self, req: Req, extend: int, may_chunk: bool) -> int:
         """Tokens of `req` to prefill this step (0: does not fit)."""
