@@ -314,9 +314,6 @@ class Engine:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
         self.scheduler.call(self.scheduler.check_integrity).result()
 
-    def get_server_info(self) -> dict:
-        return {"stats": dict(self.scheduler.stats), "weight_version": self.weights.version,
-                "kv_pool_tokens": self.runner.allocator.size}
 
 
 def _memory_tags(tags: list[str] | None) -> list[str]:

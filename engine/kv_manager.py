@@ -82,30 +82,26 @@ class KVManager:
             req.kv_slots = torch.cat((req.kv_slots, part))
         return slots
 
-    def cache_unfinished(self, req: Req, live: bool) -> None:
-        """Hand the computed, page-aligned tokens to the tree so other requests can match them."""
-        if not live or self.tree.disable:
+    def cache_unfinished(self, req: Req) -> None:
+        """Hand the computed, page-aligned tokens to the tree so other requests can match them.
+
+        A no-op when the cache is disabled or the request's namespace was retired (its KV was
+        computed by older weights)."""
+        match = self.tree.cache_unfinished(req.namespace, req.fill_ids[:req.kv_len],
+                                           req.kv_slots, req.last_node)
+        taken = match.slots.numel()
+        if taken <= req.tree_prefix_len:
             return
-        aligned = req.kv_len // self.page_size * self.page_size
-        if aligned <= req.tree_prefix_len:
-            return
-        ids = req.fill_ids[:aligned]
-        existing = self.tree.insert(req.namespace, ids, req.kv_slots[:aligned])
-        if existing > req.tree_prefix_len:  # the tree already had these: ours are duplicates
-            self.allocator.free(req.kv_slots[req.tree_prefix_len: existing])
-        match = self.tree.match_prefix(req.namespace, ids)
-        self.tree.inc_lock_ref(match.last_node)
-        self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
-        req.kv_slots = torch.cat((match.slots, req.kv_slots[aligned:]))
-        req.tree_prefix_len = aligned
+        req.kv_slots = torch.cat((match.slots, req.kv_slots[taken:]))
+        req.tree_prefix_len = taken
         self.req_to_token.write(req.req_pool_idx, 0, match.slots)
 
-    def release(self, req: Req, live: bool) -> None:
-        """Free everything `req` holds; its computed KV goes to the tree when `live`."""
+    def release(self, req: Req) -> None:
+        """Free everything `req` holds; its computed KV goes to the tree while still valid."""
         if req.req_pool_idx is None:
             return
-        self.cache_unfinished(req, live)
+        self.cache_unfinished(req)
         self.allocator.free(req.kv_slots[req.tree_prefix_len:])
         self.tree.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)

@@ -169,7 +169,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-        self.kv.release(req, self.is_live(req))
+        self.kv.release(req)
         self.waiting[:0] = self.forks.pop(req.rid, [])  # the leader is gone: prefill normally
         self.outputs.emit(req)
 
@@ -186,7 +186,7 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Drop `req`'s KV and queue it (first) to be recomputed from prompt + output so far."""
         self.running.remove(req)
-        self.kv.release(req, self.is_live(req))
+        self.kv.release(req)
         req.prefill_done = False
         req.num_retractions += 1
         self.waiting.insert(0, req)
@@ -265,7 +265,7 @@ class Scheduler:
             cached = req.kv_len
             row = self._plan_prefill(adder, req, may_chunk=not chunking, new=True)
             if row is None:
-                self.kv.release(req, live=False)
+                self.kv.release(req)
                 break
             self.waiting.remove(req)
             self.running.append(req)
@@ -288,13 +288,13 @@ class Scheduler:
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str) -> None:
         for row in batch.rows:
             if not row.samples:  # a chunk: share what is computed so far
-                self.kv.cache_unfinished(row.req, self.is_live(row.req))
+                self.kv.cache_unfinished(row.req)
         # (request, logits row) pairs; forked samples read their leader's row
         entries = [(row.req, i) for i, row in enumerate(batch.sampling_rows)]
         for req, i in list(entries):
             if not req.prefill_done:
                 req.prefill_done = True
-                self.kv.cache_unfinished(req, self.is_live(req))
+                self.kv.cache_unfinished(req)
                 entries += [(fork, i) for fork in self._start_forks(req)]
         if not entries:
             return
