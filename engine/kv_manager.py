@@ -1,9 +1,10 @@
 """Request-level KV bookkeeping over the allocator, the req-to-token table and the radix cache.
 
 A running Req's `kv_slots` hold the slot of every token whose KV is computed. The first
-`tree_prefix_len` of them belong to the radix tree and are pinned by a lock on `last_node`; the
-rest belong to the request and are freed (or handed to the tree) when it leaves. Pages never mix
-owners: `tree_prefix_len` is always a multiple of page_size.
+`tree_prefix_len` of them are borrowed: from the radix tree, pinned by a lock on `last_node`, and,
+until the end of the step that admitted the request, possibly from a peer admitted in the same
+step (see `admit`). The rest belong to the request and are freed (or handed to the tree) when it
+leaves. Pages never mix owners: `tree_prefix_len` is always a multiple of page_size.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ import torch
 from hotswap.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from hotswap.engine.radix_cache import Namespace, RadixCache
 from hotswap.engine.request import Req
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Binary search with slice comparisons: O(n log n) in C rather than a Python loop."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class KVManager:
@@ -35,19 +48,47 @@ class KVManager:
         ids = req.fill_ids
         return ids[: len(ids) - 1]
 
-    def admit(self, req: Req, ns: Namespace) -> bool:
-        """Give `req` a table row and its cached prefix; False when no row is free."""
+    def admit(self, req: Req, ns: Namespace, peers: list[Req] = ()) -> bool:
+        """Give `req` a table row and its cached prefix; False when no row is free.
+
+        `peers` are requests already given slots for this step's forward. Past the tree's match,
+        `req` also borrows the longest run of whole pages a peer is computing for the same tokens:
+        both rows run in one forward, whose backends store each layer's new K/V before any row
+        attends, so the peer's KV is there when `req` reads it. The step's `cache_unfinished`
+        then hands those pages to the tree, where both requests find them.
+        """
         row = self.req_to_token.alloc()
         if row is None:
             return False
-        match = self.tree.match_prefix(ns, self._matchable(req))
+        ids = self._matchable(req)
+        match = self.tree.match_prefix(ns, ids)
         self.tree.inc_lock_ref(match.last_node)
         req.namespace, req.req_pool_idx, req.last_node = ns, row, match.last_node
-        req.kv_slots = match.slots.clone()
+        req.kv_slots = torch.cat((match.slots, self._peer_slots(ids, ns, match.slots.numel(),
+                                                                peers)))
         req.tree_prefix_len = req.kv_len
         req.cached_tokens = max(req.cached_tokens, req.kv_len)
         self.req_to_token.write(row, 0, req.kv_slots)
         return True
+
+    def _peer_slots(self, ids: list[int], ns: Namespace, start: int, peers: list[Req]
+                    ) -> torch.Tensor:
+        """A peer's slots for ids[start:end], the longest page-aligned such run.
+
+        Past `start` (the tree's match for `req`) a peer's slots are never the tree's: the tree
+        would have matched them for `req` too. They are the peer's own or another peer's.
+        """
+        best, end = None, start
+        for peer in peers:
+            if peer.namespace != ns:
+                continue
+            shared = common_prefix_len(ids, peer.fill_ids[: peer.kv_len])
+            shared -= shared % self.page_size
+            if shared > end:
+                best, end = peer, shared
+        if best is None:
+            return torch.empty(0, dtype=torch.int64)
+        return best.kv_slots[start:end]
 
     def fork(self, req: Req, leader: Req) -> bool:
         """Start `req` on the KV of `leader`'s prompt, which the tree must hold whole.
@@ -89,19 +130,22 @@ class KVManager:
         computed by older weights)."""
         match = self.tree.cache_unfinished(req.namespace, req.fill_ids[:req.kv_len],
                                            req.kv_slots, req.last_node)
-        taken = match.slots.numel()
-        if taken <= req.tree_prefix_len:
+        if match.last_node is req.last_node:  # nothing new reached the tree
             return
+        taken = match.slots.numel()
         req.last_node = match.last_node
         req.kv_slots = torch.cat((match.slots, req.kv_slots[taken:]))
         req.tree_prefix_len = taken
         self.req_to_token.write(req.req_pool_idx, 0, match.slots)
 
-    def release(self, req: Req) -> None:
-        """Free everything `req` holds; its computed KV goes to the tree while still valid."""
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Free everything `req` holds. Its computed KV goes to the tree while still valid,
+        unless `cache` is False: its slots may not hold what they should (a failed forward, or
+        an admission undone before its step ran)."""
         if req.req_pool_idx is None:
             return
-        self.cache_unfinished(req)
+        if cache:
+            self.cache_unfinished(req)
         self.allocator.free(req.kv_slots[req.tree_prefix_len:])
         self.tree.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)

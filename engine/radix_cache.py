@@ -20,6 +20,11 @@ Ownership protocol (every tree node holds whole pages):
   holds in position order and `tokens` the ids whose KV they hold. With a = the page-aligned
   length and n = insert(ns, tokens, slots): the tree takes slots[n:a]; the request's duplicates
   slots[p:n] (the tree already had those tokens) and its tail slots[a:] are freed; the lock drops.
+- Peers within one step: a request admitted in the same step as another may borrow the whole
+  pages the other is about to compute for a prefix they share (both rows run in one forward,
+  and every backend stores a layer's new K/V before attending). Whichever inserts those tokens
+  first hands the slots to the tree; the other finds the tree holding the very same slots, and
+  duplicates that are the tree's own slots are not freed.
 - Chunked prefill: `cache_unfinished` inserts and frees duplicates the same way, re-matches, moves
   the lock, and returns the new MatchResult; the request writes result.slots over its first
   len(result.slots) positions and borrows them from then on.
@@ -138,14 +143,20 @@ class RadixCache:
         The tree takes slots[n:a] (a = the aligned length, n = the return value); the caller keeps
         ownership of everything else. When nothing may be stored, n == a.
         """
+        return self._insert(ns, tokens, slots)[0]
+
+    def _insert(self, ns: Namespace, tokens: list[int], slots: torch.Tensor
+                ) -> tuple[int, torch.Tensor]:
+        """insert(), also returning the tree's slots for the first n tokens (none when nothing
+        may be stored)."""
         end = self._aligned(min(len(tokens), len(slots)))
         if self.disable or ns in self._retired or end == 0:
-            return end
+            return end, _no_slots()
         root = self._roots.get(ns)
         if root is None:
             root = self._roots[ns] = TreeNode(ns, None, [], _no_slots())
         self._clock += 1
-        node, pos, _ = self._walk(root, tokens, end)
+        node, pos, values = self._walk(root, tokens, end)
         if pos < end:
             leaf = TreeNode(ns, node, list(tokens[pos:end]), slots[pos:end].clone(), self._clock)
             node.children[self._child_key(leaf.key, 0)] = leaf
@@ -153,15 +164,23 @@ class RadixCache:
             self._evictable += end - pos
             node = leaf
         self._push_if_evictable(node)
-        return pos
+        return pos, torch.cat(values) if values else _no_slots()
+
+    def _free_duplicates(self, own: torch.Tensor, tree: torch.Tensor) -> None:
+        """Free a request's slots for tokens the tree did not take from it, except those the
+        tree holds itself (a request may borrow a peer's slots within one step, and the peer
+        may have inserted them first). `tree`: the tree's slots at the same positions, if any."""
+        keep = torch.zeros_like(own, dtype=torch.bool)
+        keep[: tree.numel()] = own[: tree.numel()] == tree
+        self.allocator.free(own[~keep])
 
     def cache_finished(self, ns: Namespace, tokens: list[int], slots: torch.Tensor,
                        last_node: TreeNode) -> None:
         """Hand a finished request's KV to the tree, free the rest, drop its lock."""
         borrowed = self._path_len(last_node)
         end = self._aligned(min(len(tokens), len(slots)))
-        n = self.insert(ns, tokens, slots)
-        self.allocator.free(slots[borrowed:n])
+        n, tree_slots = self._insert(ns, tokens, slots)
+        self._free_duplicates(slots[borrowed:n], tree_slots[borrowed:n])
         self.allocator.free(slots[end:])
         self.dec_lock_ref(last_node)
 
@@ -172,8 +191,8 @@ class RadixCache:
         end = self._aligned(min(len(tokens), len(slots)))
         if self.disable or ns in self._retired or end <= borrowed:
             return MatchResult(slots[:borrowed], last_node)
-        n = self.insert(ns, tokens[:end], slots)
-        self.allocator.free(slots[borrowed:n])
+        n, tree_slots = self._insert(ns, tokens[:end], slots)
+        self._free_duplicates(slots[borrowed:n], tree_slots[borrowed:n])
         match = self.match_prefix(ns, tokens[:end])
         self.inc_lock_ref(match.last_node)  # before the dec, so the shared path never unlocks
         self.dec_lock_ref(last_node)

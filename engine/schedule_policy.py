@@ -8,13 +8,6 @@ from hotswap.engine.request import Req
 
 # Matching every waiting request against the tree each step stops paying off past this.
 LPM_MAX_QUEUE = 128
-# A request sharing at least this many more tokens with one admitted in the same step waits a
-# step, so that it reads the other's KV from the cache instead of computing it again; so does
-# one whose shared part (of at least IN_BATCH_SHARE_FLOOR tokens) is a quarter or more of what
-# it would compute. A one-step delay is not worth a few tokens of a long prompt.
-IN_BATCH_SHARE_MIN = 16
-IN_BATCH_SHARE_FLOOR = 4
-IN_BATCH_SHARE_FRACTION = 0.25
 
 
 def order_waiting(waiting: list[Req], policy: str, prefix_len: dict[str, int]) -> list[Req]:
@@ -22,18 +15,6 @@ def order_waiting(waiting: list[Req], policy: str, prefix_len: dict[str, int]) -
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
         return sorted(waiting, key=lambda r: -prefix_len[r.rid])
     return list(waiting)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Binary search with slice comparisons: O(n log n) in C rather than a Python loop."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass
@@ -68,19 +49,9 @@ class PrefillAdder:
         self.slots_left = max_running - running
         self.ratio = ratio
         self.page_size = page_size
-        self.admitted_ids: list[list[int]] = []
 
     def room_for_new_request(self) -> bool:
         return self.slots_left > 0 and self.tokens_left > 0 and self.kv_left > 0
-
-    def shares_with_admitted(self, req: Req, cached: int) -> bool:
-        ids = req.fill_ids
-        shared = max((common_prefix_len(ids, other) for other in self.admitted_ids),
-                     default=0) - cached
-        if shared >= IN_BATCH_SHARE_MIN:
-            return True
-        return (shared >= IN_BATCH_SHARE_FLOOR
-                and shared >= IN_BATCH_SHARE_FRACTION * (len(ids) - cached))
 
     def plan_extend(self, req: Req, extend: int, may_chunk: bool) -> int:
         """Tokens of `req` to prefill this step (0: does not fit)."""
@@ -103,4 +74,3 @@ class PrefillAdder:
         self.kv_left -= extend + future + self.page_size
         if new_request:
             self.slots_left -= 1
-        self.admitted_ids.append(req.fill_ids)

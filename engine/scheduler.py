@@ -107,6 +107,8 @@ class Scheduler:
                 idle_wait = None if self.step() else 0.01
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
                 logger.error("step failed: %s", traceback.format_exc())
+                for req in self.running:  # this step's KV writes may be partial: not cached
+                    self.kv.release(req, cache=False)
                 self.abort_running(f"internal error in forward step: {exc!r}")
             if not self.running and not self.waiting:
                 self.kv.check_integrity([])
@@ -258,14 +260,12 @@ class Scheduler:
         for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
             if not adder.room_for_new_request():
                 break
-            if share and adder.shares_with_admitted(req, prefix[req.rid]):
-                continue
-            if not self.kv.admit(req, self.namespace(req)):
+            if not self.kv.admit(req, self.namespace(req), [row.req for row in rows]):
                 break
             cached = req.kv_len
             row = self._plan_prefill(adder, req, may_chunk=not chunking, new=True)
             if row is None:
-                self.kv.release(req)
+                self.kv.release(req, cache=False)
                 break
             self.waiting.remove(req)
             self.running.append(req)

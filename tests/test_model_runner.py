@@ -149,14 +149,38 @@ def test_decode_rows_sharing_cached_prefix_slots(tiny_llama_path, monkeypatch):
         seq.computed, seq.last_loc = 80, int(runner.req_to_token_pool.req_to_token[owner.row, 79])
         seqs.append(seq)
     run_step(runner, [(s, 3 + 3 * i) for i, s in enumerate(seqs)])
-    calls = []
-    cascade = runner.attn_backend._cascade_decode
-    monkeypatch.setattr(runner.attn_backend, "_cascade_decode",
-                        lambda *a: calls.append(1) or cascade(*a))
+    shared = []
+    build = runner.attn_backend.init_forward_metadata
+
+    def record(fb):
+        build(fb)
+        rows = fb.attn_metadata.decode.shared_rows
+        shared.append(0 if rows is None else rows.numel() // runner.model_config.num_kv_heads)
+
+    monkeypatch.setattr(runner.attn_backend, "init_forward_metadata", record)
     outs = [run_step(runner, [(s, 1) for s in seqs]) for _ in range(3)]
-    assert len(calls) == 3 * runner.model_config.num_layers
+    assert shared == [80, 80, 80]
     for i, seq in enumerate(seqs):
         ours = torch.cat([step[i] for step in outs])
         end = 80 + 3 + 3 * i + 3
         ref = hf_logits(tiny_llama_path, seq.tokens[:end])[end - 3: end]
         assert (ours - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_row_reading_kv_another_row_computes_in_the_same_forward(tiny_model_path, page_size):
+    """Requests admitted in one step share the pages of a common prefix (KVManager.admit): row
+    B's table starts with slots row A writes in this very forward. Every layer stores the new
+    K/V before attending, so B's logits still equal HF's."""
+    runner = make_runner(tiny_model_path, page_size=page_size)
+    shared = random_ids(20, seed=6)
+    a, b = Seq(runner, shared + random_ids(10, seed=7)), Seq(runner, shared + random_ids(9, 8))
+    ids_a, slots_a, _, _ = a.plan(30)
+    runner.req_to_token_pool.write(b.row, 0, slots_a[:20])
+    b.computed, b.last_loc = 20, int(slots_a[19])
+    ids_b, slots_b, prefix_b, n_b = b.plan(9)
+    fb = ForwardBatch.build(ids_a + ids_b, torch.cat((slots_a, slots_b)), [a.row, b.row],
+                            [0, prefix_b], [30, n_b], list(range(39)))
+    out_a, out_b = runner.forward(fb).split([30, 9])
+    assert (out_a - hf_logits(tiny_model_path, a.tokens)).abs().max().item() < TOL
+    assert (out_b - hf_logits(tiny_model_path, b.tokens)[20:]).abs().max().item() < TOL

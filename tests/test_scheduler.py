@@ -79,6 +79,40 @@ def test_shared_prefix_is_computed_once(tiny_chat_model_path):
     assert sum(o["meta_info"]["cached_tokens"] > 0 for o in outs) == 15
 
 
+def trie_size(seqs: list[list[int]]) -> int:
+    """Tokens a perfect prefix cache computes for `seqs`: the nodes of their trie."""
+    return len({tuple(s[:i + 1]) for s in seqs for i in range(len(s))})
+
+
+@pytest.mark.parametrize("page_size, chunk", [(1, -1), (4, -1), (1, 16)])
+def test_prompts_admitted_together_compute_a_shared_prefix_once(tiny_chat_model_path,
+                                                                page_size, chunk):
+    """Prompts that arrive together and share prefixes of different depths (as a chat template
+    and GRPO prompts do): the shared part is computed once even within one step, and greedy
+    outputs equal those of an engine without a prefix cache."""
+    rng = random.Random(7)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(3, 400) for _ in range(n)]
+
+    base, left, right = words(23), words(9), words(14)
+    ps = [base + left + words(5), base + left + words(11), base + right + words(3),
+          base + right + words(8), base + words(6), words(12), base + left + words(2)]
+    with Engine(tiny_chat_model_path, max_total_tokens=16384, enable_prefix_cache=False) as eng:
+        expected = [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=GREEDY)]
+    with Engine(tiny_chat_model_path, max_total_tokens=16384, page_size=page_size,
+                chunked_prefill_size=chunk) as eng:
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+        eng.check_integrity()
+        stats = dict(eng.scheduler.stats)
+    assert [o["output_ids"] for o in outs] == expected
+    # whole pages only are shared: each prompt may recompute part of one page
+    assert trie_size(ps) <= stats["prefill_tokens"] <= trie_size(ps) + (page_size - 1) * len(ps)
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    assert sum(cached) == stats["cached_tokens"] == sum(map(len, ps)) - stats["prefill_tokens"]
+    assert all(c >= 23 - 23 % page_size for c in cached[1:5])
+
+
 @pytest.mark.parametrize("page_size, pool, chunk, policy", [
     (1, 170, 16, "lpm"), (8, 256, 24, "fcfs"), (4, 200, -1, "lpm")])
 def test_random_load_with_aborts_on_a_tiny_pool(tiny_chat_model_path, page_size, pool, chunk,

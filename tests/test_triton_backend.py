@@ -149,6 +149,18 @@ def test_decode_rows_of_different_lengths(shape: Shape, split_tokens: int):
 
 
 @pytest.mark.parametrize("shape", GQA_SHAPES)
+def test_row_reading_slots_another_row_writes_in_the_same_step(shape: Shape):
+    """Requests admitted together share a prefix's pages (KVManager.admit): row 1's prefix is
+    row 0's first two pages, whose K/V row 0 stores in this very step. A stale 7.0 there (see
+    make_case) would show if the kernel read before the store."""
+    ps = shape.page_size
+    case = make_case(shape, [0, 2 * ps, 5], [5 * ps, 3, 1])
+    row1 = case.fb.req_pool_indices[1]
+    case.req_to_token[row1, : 2 * ps] = case.fb.out_cache_loc[: 2 * ps]
+    assert max_diff(case, shape) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES)
 def test_extend_prompt_split_at_several_points(shape: Shape):
     # one 37-token prompt per row, its prefix cached up to a different point in each row; with
     # the interpreter's 16-token tiles the 0-prefix row spans three query tiles

@@ -1,10 +1,14 @@
-"""The reference backend: torch ops only, padded batched SDPA, no Python loop over rows.
+"""The reference backend: torch ops only, no Python loop over rows.
 
-Decode rows (one new token) and extend rows (several) are two padded groups. Index matrices are
-built once per step in `init_forward_metadata`; padding points at the reserved zero slot 0 and is
-masked out. When every decode row starts with the same KV slots (a shared system prompt, the n
-samples of one prompt: the radix cache hands out the same slots), that prefix is read once and
-attended by all rows in one matmul (cascade), and only each row's own suffix is gathered.
+Decode rows (one new token) and extend rows (several) are handled apart. Extend rows run one
+padded SDPA with a causal mask. Decode rows run as batched matmuls over (row, kv head) pairs:
+the pool is read as rows of [head_dim], gathered straight into [rows * kv_heads, keys, head_dim]
+so no copy or padded mask expansion sits between the gather and the matmuls (about twice as
+fast as SDPA for one query per row on CPU). Index tensors are built once per step in
+`init_forward_metadata`; padding points at the reserved zero slot 0 and is masked out. When
+every decode row starts with the same KV slots (a shared system prompt, the n samples of one
+prompt: the radix cache hands out the same slots), that prefix is read once and attended by all
+rows in one matmul (cascade), and only each row's own suffix is gathered.
 """
 
 from __future__ import annotations
@@ -22,47 +26,76 @@ CASCADE_MIN_PREFIX = 64
 
 
 @dataclass
-class _Group:
-    q_index: torch.Tensor  # [G, Lq] flat token rows (padding repeats a valid row)
-    q_valid: torch.Tensor | None  # [G, Lq] bool; None when nothing is padded
-    kv_slots: torch.Tensor  # [G, Lk] pool slots (padding -> slot 0)
-    mask: torch.Tensor  # [G, 1, Lq, Lk] bool, True = attend
-    identity: bool  # the group is the whole batch in order, unpadded: no gather/scatter
-    shared_slots: torch.Tensor | None = None  # [P] slots every row starts with (decode only)
+class _Decode:
+    tokens: torch.Tensor | None  # [n] flat token of each row; None: the whole batch, in order
+    kv_rows: torch.Tensor  # [n * Hkv * Lk] rows of the pool viewed as [slots * Hkv, head_dim]
+    bias: torch.Tensor  # [n * Hkv, heads per kv head, Lk]: 0 for a key the row sees, else -inf
+    shared_rows: torch.Tensor | None  # [Hkv * P] pool rows of the prefix every row starts with
+
+
+@dataclass
+class _Extend:
+    q_index: torch.Tensor  # [B, Lq] flat token rows (padding repeats a valid row)
+    q_valid: torch.Tensor | None  # [B, Lq] bool; None when nothing is padded
+    kv_slots: torch.Tensor  # [B, Lk] pool slots (padding -> slot 0)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = attend
+    identity: bool  # the rows are the whole batch in order, unpadded: no gather/scatter
 
 
 @dataclass
 class _Metadata:
-    groups: list[_Group]
+    decode: _Decode | None
+    extend: _Extend | None
 
 
 class TorchAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        device = fb.input_ids.device
         ext = torch.tensor(fb.extend_seq_lens_cpu)
+        prefix = torch.tensor(fb.extend_prefix_lens_cpu)
         starts = ext.cumsum(0) - ext
         is_decode = ext == 1
-        groups = []
-        for rows in (is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()):
-            if rows.numel():
-                groups.append(self._build_group(fb, rows, starts, device))
-        fb.attn_metadata = _Metadata(groups)
+        decode_rows, extend_rows = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
+        fb.attn_metadata = _Metadata(
+            self._build_decode(fb, decode_rows, prefix, starts) if decode_rows.numel() else None,
+            self._build_extend(fb, extend_rows, prefix, ext, starts)
+            if extend_rows.numel() else None)
 
-    def _build_group(self, fb: ForwardBatch, rows: torch.Tensor, starts: torch.Tensor,
-                     device: torch.device) -> _Group:
-        ext = torch.tensor(fb.extend_seq_lens_cpu)[rows]
-        prefix = torch.tensor(fb.extend_prefix_lens_cpu)[rows]
+    def _table(self, fb: ForwardBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
+        return self.req_to_token[fb.req_pool_indices[rows.to(fb.input_ids.device)], :width]
+
+    def _build_decode(self, fb: ForwardBatch, rows: torch.Tensor, prefix: torch.Tensor,
+                      starts: torch.Tensor) -> _Decode:
+        device, hkv = fb.input_ids.device, self.num_kv_heads
+        n, seq = len(rows), prefix[rows] + 1
+        table = self._table(fb, rows, int(seq.max()))
+        shared = _shared_prefix_len(table, int(seq.min())) if n > 1 else 0
+        shared_rows = None
+        if shared >= CASCADE_MIN_PREFIX:
+            shared_rows = _pool_rows(table[0, :shared], hkv).flatten()
+            table, seq = table[:, shared:], seq - shared
+        valid = (torch.arange(table.shape[1])[None, :] < seq[:, None]).to(device)
+        slots = torch.where(valid, table, torch.zeros_like(table))
+        bias = torch.zeros(n, 1, 1, table.shape[1], dtype=self.kv_pool.dtype, device=device)
+        bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        group = self.num_heads // hkv
+        whole = n == fb.batch_size
+        return _Decode(
+            tokens=None if whole else starts[rows].to(device),
+            kv_rows=_pool_rows(slots, hkv).flatten(),
+            bias=bias.expand(n, hkv, group, -1).reshape(n * hkv, group, -1),
+            shared_rows=shared_rows,
+        )
+
+    def _build_extend(self, fb: ForwardBatch, rows: torch.Tensor, prefix: torch.Tensor,
+                      ext: torch.Tensor, starts: torch.Tensor) -> _Extend:
+        device = fb.input_ids.device
+        ext, prefix = ext[rows], prefix[rows]
         seq = prefix + ext
         lq, lk = int(ext.max()), int(seq.max())
         qpos = torch.arange(lq)
         q_valid = qpos[None, :] < ext[:, None]
         q_index = starts[rows][:, None] + torch.minimum(qpos[None, :], ext[:, None] - 1)
-        table = self.req_to_token[fb.req_pool_indices[rows.to(device)], :lk]
-        shared = _shared_prefix_len(table, int(seq.min())) if lq == 1 and len(rows) > 1 else 0
-        shared_slots = None
-        if shared >= CASCADE_MIN_PREFIX:
-            shared_slots, table = table[0, :shared], table[:, shared:]
-            prefix, seq, lk = prefix - shared, seq - shared, lk - shared
+        table = self._table(fb, rows, lk)
         kpos = torch.arange(lk)
         k_valid = kpos[None, :] < seq[:, None]
         kv_slots = torch.where(k_valid.to(device), table, torch.zeros_like(table))
@@ -71,8 +104,7 @@ class TorchAttnBackend(AttentionBackend):
         mask = causal & k_valid[:, None, :]
         identity = (q_valid.all() and q_index.numel() == fb.num_tokens
                     and bool((q_index.flatten() == torch.arange(fb.num_tokens)).all()))
-        return _Group(
-            shared_slots=shared_slots,
+        return _Extend(
             identity=bool(identity),
             q_index=q_index.to(device),
             q_valid=None if bool(q_valid.all()) else q_valid.to(device),
@@ -85,49 +117,70 @@ class TorchAttnBackend(AttentionBackend):
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
+        meta = fb.attn_metadata
+        if meta.extend is None and meta.decode.tokens is None:
+            return self._decode(q, k_buf, v_buf, meta.decode)
         out = q.new_empty(q.shape)
-        for g in fb.attn_metadata.groups:
-            n, lq = g.q_index.shape
-            qg = q if g.identity else q[g.q_index]
-            qg = qg.reshape(n, lq, self.num_heads, self.head_dim).transpose(1, 2)
-            kg = _gather(k_buf, g.kv_slots).transpose(1, 2)
-            vg = _gather(v_buf, g.kv_slots).transpose(1, 2)
-            if g.shared_slots is not None:
-                og = self._cascade_decode(qg, kg, vg, g, k_buf, v_buf)
-            else:
-                og = F.scaled_dot_product_attention(
-                    qg, kg, vg, attn_mask=g.mask, scale=self.scaling,
-                    enable_gqa=self.num_heads != self.num_kv_heads)
-            og = og.transpose(1, 2).reshape(n, lq, -1)
-            if g.identity:
-                return og.reshape(n * lq, -1)
-            if g.q_valid is None:
-                out[g.q_index.flatten()] = og.reshape(n * lq, -1)
-            else:
-                out[g.q_index[g.q_valid]] = og[g.q_valid]
+        if meta.decode is not None:
+            out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_buf, v_buf,
+                                                   meta.decode)
+        if meta.extend is not None:
+            self._extend(q, k_buf, v_buf, meta.extend, out)
         return out
 
-    def _cascade_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group,
-                        k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
-        """Decode attention over a shared prefix (read once) + each row's suffix, one softmax.
+    def _extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: _Extend,
+                out: torch.Tensor) -> None:
+        n, lq = g.q_index.shape
+        qg = q if g.identity else q[g.q_index]
+        qg = qg.reshape(n, lq, self.num_heads, self.head_dim).transpose(1, 2)
+        kg = _gather(k_buf, g.kv_slots).transpose(1, 2)
+        vg = _gather(v_buf, g.kv_slots).transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scaling,
+                                            enable_gqa=self.num_heads != self.num_kv_heads)
+        og = og.transpose(1, 2).reshape(n, lq, -1)
+        if g.identity:
+            out.copy_(og.reshape(n * lq, -1))
+        elif g.q_valid is None:
+            out[g.q_index.flatten()] = og.reshape(n * lq, -1)
+        else:
+            out[g.q_index[g.q_valid]] = og[g.q_valid]
 
-        q [n, Hq, 1, D]; k, v [n, Hkv, Lx, D] (the suffixes). Returns [n, Hq, 1, D].
-        """
+    def _decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: _Decode
+                ) -> torch.Tensor:
+        """q [n, Hq * D] -> [n, Hq * D]; query head h reads kv head h // group."""
         n, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        qh = q.reshape(n, hkv, group, d)  # q head h reads kv head h // group
-        kp = _gather(k_buf, g.shared_slots).permute(1, 2, 0)  # [Hkv, D, P]
-        vp = _gather(v_buf, g.shared_slots).transpose(0, 1)  # [Hkv, P, D]
-        flat_q = qh.transpose(0, 1).reshape(hkv, n * group, d)
-        s_prefix = torch.bmm(flat_q, kp).view(hkv, n, group, -1).transpose(0, 1)
-        s_suffix = torch.matmul(qh, k.transpose(-1, -2))  # [n, Hkv, G, Lx]
-        s_suffix = s_suffix.masked_fill(~g.mask, float("-inf"))
-        probs = (torch.cat((s_prefix, s_suffix), dim=-1).float() * self.scaling).softmax(-1)
-        probs = probs.to(q.dtype)
-        p_prefix, p_suffix = probs.split([kp.shape[-1], k.shape[2]], dim=-1)
-        o_prefix = torch.bmm(p_prefix.transpose(0, 1).reshape(hkv, n * group, -1), vp)
-        out = o_prefix.view(hkv, n, group, d).transpose(0, 1) + torch.matmul(p_suffix, v)
-        return out.reshape(n, self.num_heads, 1, d)
+        qh = q.reshape(n * hkv, group, d)
+        k_rows, v_rows = k_buf.view(-1, d), v_buf.view(-1, d)
+        ks = k_rows.index_select(0, g.kv_rows).view(n * hkv, -1, d)
+        vs = v_rows.index_select(0, g.kv_rows).view(n * hkv, -1, d)
+        scores = torch.baddbmm(g.bias, qh, ks.transpose(1, 2), alpha=self.scaling)
+        if g.shared_rows is None:
+            return torch.bmm(_softmax(scores, q.dtype), vs).view(n, -1)
+        # Cascade: the shared prefix's keys are read once, as [Hkv, P, D], for all n rows.
+        kp = k_rows.index_select(0, g.shared_rows).view(hkv, -1, d)
+        vp = v_rows.index_select(0, g.shared_rows).view(hkv, -1, d)
+        p = kp.shape[1]
+        q_by_head = qh.view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
+        s_prefix = torch.bmm(q_by_head, kp.transpose(1, 2)).mul_(self.scaling)
+        s_prefix = s_prefix.view(hkv, n, group, p).transpose(0, 1).reshape(n * hkv, group, p)
+        probs = _softmax(torch.cat((s_prefix, scores), dim=-1), q.dtype)
+        p_prefix, p_suffix = probs.split([p, scores.shape[-1]], dim=-1)
+        p_by_head = p_prefix.reshape(n, hkv, group, p).transpose(0, 1).reshape(hkv, n * group, p)
+        o_prefix = torch.bmm(p_by_head, vp).view(hkv, n, group, d).transpose(0, 1)
+        out = torch.bmm(p_suffix, vs).view(n, hkv, group, d) + o_prefix
+        return out.reshape(n, -1)
+
+
+def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax in float32 (a no-op cast for float32 models)."""
+    return scores.float().softmax(-1).to(dtype)
+
+
+def _pool_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., L] slots -> [..., Hkv, L] rows of the pool viewed as [slots * Hkv, head_dim]."""
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return slots.unsqueeze(-2) * num_kv_heads + heads[:, None]
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
