@@ -184,3 +184,32 @@ def test_row_reading_kv_another_row_computes_in_the_same_forward(tiny_model_path
     out_a, out_b = runner.forward(fb).split([30, 9])
     assert (out_a - hf_logits(tiny_model_path, a.tokens)).abs().max().item() < TOL
     assert (out_b - hf_logits(tiny_model_path, b.tokens)[20:]).abs().max().item() < TOL
+
+
+def test_long_and_short_extend_rows_run_in_separate_padded_calls(tiny_llama_path):
+    """A long prompt and short rows borrowing its prefix in the same step: the torch backend
+    splits them into padded calls that do not pad every short row to the long one, and the
+    logits still equal HF's."""
+    runner = make_runner(tiny_llama_path)
+    a = Seq(runner, random_ids(300, seed=9))
+    i, s, _, _ = a.plan(300)
+    ids, slots, prefixes, exts, rows = i, [s], [0], [300], [a.row]
+    seqs = []
+    for j in range(4):
+        seq = Seq(runner, a.tokens[:290] + random_ids(6, seed=30 + j))
+        runner.req_to_token_pool.write(seq.row, 0, s[:290])
+        seq.computed, seq.last_loc = 290, int(s[289])
+        i, sl, p, e = seq.plan(6)
+        ids += i
+        slots.append(sl)
+        prefixes.append(p)
+        exts.append(e)
+        rows.append(seq.row)
+        seqs.append(seq)
+    fb = ForwardBatch.build(ids, torch.cat(slots), rows, prefixes, exts, list(range(len(ids))))
+    outs = runner.forward(fb).split(exts)
+    assert len(fb.attn_metadata.extend) >= 2
+    assert max(len(g.q_index) for g in fb.attn_metadata.extend) < 5
+    assert (outs[0] - hf_logits(tiny_llama_path, a.tokens)).abs().max().item() < TOL
+    for seq, out in zip(seqs, outs[1:]):
+        assert (out - hf_logits(tiny_llama_path, seq.tokens)[290:]).abs().max().item() < TOL

@@ -23,6 +23,10 @@ from hotswap.engine.forward_batch import ForwardBatch
 
 # A shared decode prefix shorter than this is cheaper to gather per row than to split off.
 CASCADE_MIN_PREFIX = 64
+# Extend rows share one padded SDPA call while padding adds at most half the useful
+# query x key work, or any amount under PADDING_FREE (small calls cost their overhead).
+PADDING_SLACK = 1.5
+PADDING_FREE = 64 * 1024
 
 
 @dataclass
@@ -45,7 +49,7 @@ class _Extend:
 @dataclass
 class _Metadata:
     decode: _Decode | None
-    extend: _Extend | None
+    extend: list[_Extend]
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -57,8 +61,8 @@ class TorchAttnBackend(AttentionBackend):
         decode_rows, extend_rows = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
         fb.attn_metadata = _Metadata(
             self._build_decode(fb, decode_rows, prefix, starts) if decode_rows.numel() else None,
-            self._build_extend(fb, extend_rows, prefix, ext, starts)
-            if extend_rows.numel() else None)
+            [self._build_extend(fb, rows, prefix, ext, starts)
+             for rows in _padding_groups(extend_rows, ext, prefix + ext)])
 
     def _table(self, fb: ForwardBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
         return self.req_to_token[fb.req_pool_indices[rows.to(fb.input_ids.device)], :width]
@@ -118,14 +122,14 @@ class TorchAttnBackend(AttentionBackend):
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
         meta = fb.attn_metadata
-        if meta.extend is None and meta.decode.tokens is None:
+        if not meta.extend and meta.decode.tokens is None:
             return self._decode(q, k_buf, v_buf, meta.decode)
         out = q.new_empty(q.shape)
         if meta.decode is not None:
             out[meta.decode.tokens] = self._decode(q[meta.decode.tokens], k_buf, v_buf,
                                                    meta.decode)
-        if meta.extend is not None:
-            self._extend(q, k_buf, v_buf, meta.extend, out)
+        for group in meta.extend:
+            self._extend(q, k_buf, v_buf, group, out)
         return out
 
     def _extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: _Extend,
@@ -170,6 +174,33 @@ class TorchAttnBackend(AttentionBackend):
         o_prefix = torch.bmm(p_by_head, vp).view(hkv, n, group, d).transpose(0, 1)
         out = torch.bmm(p_suffix, vs).view(n, hkv, group, d) + o_prefix
         return out.reshape(n, -1)
+
+
+def _padding_groups(rows: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor
+                    ) -> list[torch.Tensor]:
+    """Split extend rows into padded SDPA calls that waste little.
+
+    One call pads every row to the longest query and key lengths of the call, so a 1,000-token
+    prompt next to short ones (a shared prompt and the requests that borrow it, admitted in one
+    step) would multiply the work. Rows go in order of decreasing work; a row joins the current
+    call while the padded work stays within PADDING_SLACK of the useful work (plus
+    PADDING_FREE for calls too small to matter)."""
+    if rows.numel() <= 1:
+        return [rows] if rows.numel() else []
+    work = ext[rows] * seq[rows]
+    order = rows[torch.argsort(work, descending=True, stable=True)].tolist()
+    groups, current, useful, max_q, max_k = [], [], 0, 0, 0
+    for row in order:
+        q, k = int(ext[row]), int(seq[row])
+        mq, mk = max(max_q, q), max(max_k, k)
+        padded = (len(current) + 1) * mq * mk
+        if current and padded > PADDING_SLACK * (useful + q * k) + PADDING_FREE:
+            groups.append(current)
+            current, useful, mq, mk = [], 0, q, k
+        current.append(row)
+        useful, max_q, max_k = useful + q * k, mq, mk
+    groups.append(current)
+    return [torch.tensor(sorted(g)) for g in groups]
 
 
 def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
