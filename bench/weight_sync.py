@@ -11,7 +11,8 @@ WeightSender over gloo on localhost. Measured in one run, between the same two p
   bucket), timed on the receiving side; the ratio e2e / raw is the price of the update protocol
   (RPC, validation, pause, copy into the model, version bump);
 - the stall in-flight streaming requests see in each pause mode: the time between a request's
-  last token under the old weights and its first under the new ones. Under "abort" the client
+  last token under the old weights and its first under the new ones (this includes the first
+  forward's rebuild of the packed weight copies, printed at the end). Under "abort" the client
   resubmits prompt + tokens so far at once, as an RL rollout worker would.
 """
 
@@ -170,6 +171,7 @@ def main() -> None:
                      statistics.median(raw[load_format])))
     stalls = {mode: measure_stall(engine, trainer, mode, args.stall_requests)
               for mode in PAUSE_MODES}
+    repack_s = engine.scheduler.runner.last_pack_s
     trainer.call("close")
     server.close()
     trainer.close()
@@ -192,6 +194,8 @@ def main() -> None:
         med = statistics.median(values)
         print(f"{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
               f"{med / update_s:>14.2f}")
+    print(f"\nthe first forward after an update rebuilds the packed weight copies (CPU fp32): "
+          f"{repack_s:.3f} s, inside the stalls above, not in e2e")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,9 @@ class EngineConfig:
     mem_fraction: float = 0.3
     context_length: int | None = None
     weight_update_timeout_s: float = 300.0
+    # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
+    # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
+    pack_weights: bool = True
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

@@ -55,7 +55,8 @@ class KVManager:
         `req` also borrows the longest run of whole pages a peer is computing for the same tokens:
         both rows run in one forward, whose backends store each layer's new K/V before any row
         attends, so the peer's KV is there when `req` reads it. The step's `cache_unfinished`
-        then hands those pages to the tree, where both requests find them.
+        then hands those pages to the tree, where both requests find them; so peers are
+        passed only while the cache is enabled.
         """
         row = self.req_to_token.alloc()
         if row is None:

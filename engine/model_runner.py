@@ -6,6 +6,7 @@ It knows nothing of requests or scheduling: it takes a ForwardBatch and returns 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -34,6 +35,12 @@ class ModelRunner:
         self._flatten_parameters()
         load_checkpoint(self.model, config.model_path)
         self.weight_map = self.model.hf_weight_map()
+        # Packed weights (layers/linear.py) are rebuilt before the first forward that follows
+        # a change: every write to the weights calls weights_changed().
+        self._weights_generation = 0
+        self._packed_generation = -1
+        self.last_pack_s = 0.0  # how long the last rebuild of the packed copies took
+        self._refresh_packs()
 
         page_size = config.page_size
         num_pages = self._num_kv_tokens() // page_size
@@ -74,11 +81,26 @@ class ModelRunner:
         for p, _ in self._param_shapes:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.weights_released = True
+        self.weights_changed()
 
     def resume_weights(self) -> None:
         """Storage back (values undefined)."""
         if self.weights_released:
             self._allocate_parameters()
+            self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Called after any write to the weights: packed copies are stale from now on."""
+        self._weights_generation += 1
+        self.model.pack_weights(False)
+
+    def _refresh_packs(self) -> None:
+        if self._packed_generation == self._weights_generation or self.weights_released:
+            return
+        start = time.perf_counter()
+        self.model.pack_weights(self.config.pack_weights)
+        self._packed_generation = self._weights_generation
+        self.last_pack_s = time.perf_counter() - start
 
     def _num_kv_tokens(self) -> int:
         if self.config.max_total_tokens is not None:
@@ -95,6 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [len(fb.logits_indices), vocab]."""
+        self._refresh_packs()
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb)

@@ -260,7 +260,8 @@ class Scheduler:
         for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
             if not adder.room_for_new_request():
                 break
-            if not self.kv.admit(req, self.namespace(req), [row.req for row in rows]):
+            peers = [row.req for row in rows] if share else []
+            if not self.kv.admit(req, self.namespace(req), peers):
                 break
             cached = req.kv_len
             row = self._plan_prefill(adder, req, may_chunk=not chunking, new=True)

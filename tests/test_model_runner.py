@@ -8,6 +8,7 @@ import transformers
 
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.layers.linear import can_pack
 from hotswap.engine.model_runner import ModelRunner
 
 TOL = 1e-4
@@ -213,3 +214,25 @@ def test_long_and_short_extend_rows_run_in_separate_padded_calls(tiny_llama_path
     assert (outs[0] - hf_logits(tiny_llama_path, a.tokens)).abs().max().item() < TOL
     for seq, out in zip(seqs, outs[1:]):
         assert (out - hf_logits(tiny_llama_path, seq.tokens)[290:]).abs().max().item() < TOL
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="no oneDNN weight packing here")
+def test_packed_weights_follow_every_weight_change(tiny_model_path):
+    """Packed copies (CPU float32) are dropped when the weights change and rebuilt from the new
+    values before the next forward, whose logits equal HF's on the changed weights."""
+    runner = make_runner(tiny_model_path)
+    down = runner.model.model.layers[0].mlp.down_proj
+    assert down.packed is not None and runner.model.lm_head_packed is not None
+    with torch.no_grad():
+        down.weight.mul_(0.5)
+    runner.weights_changed()
+    assert down.packed is None
+    ids = random_ids(12, seed=4)
+    (ours,) = run_step(runner, [(Seq(runner, ids), 12)])
+    assert down.packed is not None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_path,
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < TOL

@@ -14,7 +14,7 @@ from torch import nn
 
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.forward_batch import ForwardBatch
-from hotswap.engine.layers.linear import Linear, linear
+from hotswap.engine.layers.linear import Linear, linear, pack
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -107,6 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_positions)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -117,7 +118,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [len(fb.logits_indices), vocab] for the rows that sample."""
         hidden = self.model(fb)[fb.logits_indices]
-        return linear(self.model.norm(hidden), self.lm_head_weight).float()
+        return linear(self.model.norm(hidden), self.lm_head_weight,
+                      packed=self.lm_head_packed).float()
+
+    def pack_weights(self, enable: bool = True) -> None:
+        """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
+                module.packed = pack(module.weight) if enable else None
+        self.lm_head_packed = pack(self.lm_head_weight) if enable else None
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Every HF checkpoint name this model takes, mapped to where it lands."""
