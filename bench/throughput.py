@@ -133,6 +133,7 @@ def main() -> None:
     engine.shutdown()
     if hf_pool is not None:
         hf_pool.close()
+        hf_pool.join()
 
 
 if __name__ == "__main__":

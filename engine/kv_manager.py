@@ -9,6 +9,8 @@ leaves. Pages never mix owners: `tree_prefix_len` is always a multiple of page_s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hotswap.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
@@ -48,7 +50,7 @@ class KVManager:
         ids = req.fill_ids
         return ids[: len(ids) - 1]
 
-    def admit(self, req: Req, ns: Namespace, peers: list[Req] = ()) -> bool:
+    def admit(self, req: Req, ns: Namespace, peers: Sequence[Req] = ()) -> bool:
         """Give `req` a table row and its cached prefix; False when no row is free.
 
         `peers` are requests already given slots for this step's forward. Past the tree's match,
@@ -72,7 +74,7 @@ class KVManager:
         self.req_to_token.write(row, 0, req.kv_slots)
         return True
 
-    def _peer_slots(self, ids: list[int], ns: Namespace, start: int, peers: list[Req]
+    def _peer_slots(self, ids: list[int], ns: Namespace, start: int, peers: Sequence[Req]
                     ) -> torch.Tensor:
         """A peer's slots for ids[start:end], the longest page-aligned such run.
 
@@ -80,8 +82,12 @@ class KVManager:
         would have matched them for `req` too. They are the peer's own or another peer's.
         """
         best, end = None, start
+        if len(ids) - start < self.page_size:
+            return torch.empty(0, dtype=torch.int64)
         for peer in peers:
-            if peer.namespace != ns:
+            # cheap rejections first: the full comparison is O(L log L) per pair
+            if (peer.kv_len - start < self.page_size or peer.namespace != ns
+                    or peer.fill_ids[start] != ids[start]):
                 continue
             shared = common_prefix_len(ids, peer.fill_ids[: peer.kv_len])
             shared -= shared % self.page_size

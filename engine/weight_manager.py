@@ -247,13 +247,13 @@ class WeightManager:
         try:
             apply()
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
-            self.runner.weights_changed()
             self._damaged |= set(names)
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
             sched.abort_running(self.incomplete)
             sched.abort_waiting(self.incomplete)
             return {"success": False, "message": self.incomplete, "weight_version": self.version}
-        self.runner.weights_changed()
+        finally:
+            self.runner.weights_changed()  # whatever was written, derived copies are stale
         self.version = version
         # Serving resumes only once every tensor a failed update touched has been rewritten.
         self._damaged -= set(names)
