@@ -82,9 +82,8 @@ class KVManager:
         would have matched them for `req` too. They are the peer's own or another peer's.
         """
         best, end = None, start
-        if len(ids) - start < self.page_size:
-            return torch.empty(0, dtype=torch.int64)
-        for peer in peers:
+        candidates = peers if len(ids) - start >= self.page_size else ()
+        for peer in candidates:
             # cheap rejections first: the full comparison is O(L log L) per pair
             if (peer.kv_len - start < self.page_size or peer.namespace != ns
                     or peer.fill_ids[start] != ids[start]):
