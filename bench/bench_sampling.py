@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from hotswap.engine.sampling import Sampler, SamplingBatchInfo
-from hotswap.engine.sampling_params import SamplingParams
+from hotswap.engine.core.sampling_params import SamplingParams
+from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
 
 CASES = {
     "greedy": {"temperature": 0.0},

@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
 
         return Engine
     if name == "RemoteEngine":
-        from hotswap.engine.remote import RemoteEngine
+        from hotswap.engine.client.remote import RemoteEngine
 
         return RemoteEngine
     raise AttributeError(name)

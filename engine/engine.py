@@ -15,12 +15,12 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from hotswap.engine.config import EngineConfig, ModelConfig
-from hotswap.engine.model_runner import ModelRunner
-from hotswap.engine.output import OutputProcessor
-from hotswap.engine.request import Req
-from hotswap.engine.sampling_params import SamplingParams
-from hotswap.engine.scheduler import Scheduler
-from hotswap.engine.weight_manager import WeightManager
+from hotswap.engine.core.request import Req
+from hotswap.engine.core.sampling_params import SamplingParams
+from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.scheduler.output import OutputProcessor
+from hotswap.engine.scheduler.scheduler import Scheduler
+from hotswap.engine.weights.weight_manager import WeightManager
 
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
 _PAUSE_MODES = ("abort", "retract", "in_place")

@@ -97,7 +97,7 @@ class ServerThread:
 
 @contextlib.contextmanager
 def serve(engine, **app_kwargs) -> Iterator[ServerThread]:
-    from hotswap.engine.server import create_app
+    from hotswap.engine.server.app import create_app
 
     with ServerThread(create_app(engine, **app_kwargs)) as server:
         yield server

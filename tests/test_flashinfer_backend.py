@@ -13,8 +13,8 @@ from hotswap.engine.attention.flashinfer_backend import (
     paged_view,
 )
 from hotswap.engine.attention.torch_backend import TorchAttnBackend
-from hotswap.engine.forward_batch import ForwardBatch
-from hotswap.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 9, 3, 64, 2
 

@@ -12,7 +12,7 @@ from conftest import write_tiny_model
 from safetensors.torch import load_file, save_file
 
 from hotswap.engine.config import EngineConfig, ModelConfig
-from hotswap.engine.model_runner import ModelRunner
+from hotswap.engine.executor.model_runner import ModelRunner
 
 
 def build(path: str) -> ModelRunner:

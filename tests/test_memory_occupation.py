@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from hotswap.engine import Engine
-from hotswap.engine.weight_manager import WeightsIncompleteError
+from hotswap.engine.errors import WeightsIncompleteError
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 

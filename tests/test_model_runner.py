@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from hotswap.engine.config import EngineConfig, ModelConfig
-from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.layers.linear import can_pack
-from hotswap.engine.model_runner import ModelRunner
 
 TOL = 1e-4
 

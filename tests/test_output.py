@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from hotswap.engine.request import IncrementalDetokenizer
+from hotswap.engine.core.request import IncrementalDetokenizer
 
 TEXTS = [
     "plain ascii text, with punctuation!",

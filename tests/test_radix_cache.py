@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from hotswap.engine.memory import TokenToKVPoolAllocator
-from hotswap.engine.radix_cache import Namespace, RadixCache, TreeNode
+from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.kvcache.memory import TokenToKVPoolAllocator
+from hotswap.engine.kvcache.radix_cache import RadixCache, TreeNode
 
 V1 = Namespace("v1")
 

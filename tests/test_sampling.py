@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hotswap.engine.sampling import Sampler, SamplingBatchInfo, process_logits
-from hotswap.engine.sampling_params import MAX_N, SamplingParams, seeded_uniform
+from hotswap.engine.core.sampling_params import MAX_N, SamplingParams, seeded_uniform
+from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo, process_logits
 
 EOS = 0
 

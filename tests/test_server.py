@@ -20,7 +20,7 @@ from fixtures import ServerThread, serve, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
-from hotswap.engine.server import build_parser, create_app
+from hotswap.engine.server.app import build_parser, create_app
 
 API_KEY = "test-api-key"
 ADMIN_KEY = "test-admin-key"

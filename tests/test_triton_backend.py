@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 
 from hotswap.engine.attention.torch_backend import TorchAttnBackend  # noqa: E402
 from hotswap.engine.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from hotswap.engine.forward_batch import ForwardBatch  # noqa: E402
-from hotswap.engine.memory import KVPool, ReqToTokenPool  # noqa: E402
+from hotswap.engine.core.forward_batch import ForwardBatch  # noqa: E402
+from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_LAYERS = 2

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from torchrun_sender import TrainerError, TrainerProcess, free_port, perturbed, save_checkpoint
 
 from hotswap.engine import Engine
-from hotswap.engine.weight_manager import WeightsIncompleteError
+from hotswap.engine.errors import WeightsIncompleteError
 
 TIMEOUT_S = 30.0
 V0 = "0"  # the version a freshly loaded engine reports

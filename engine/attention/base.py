@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from hotswap.engine.forward_batch import ForwardBatch
-from hotswap.engine.memory import KVPool
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.kvcache.memory import KVPool
 
 
 class AttentionBackend(ABC):

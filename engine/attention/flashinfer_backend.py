@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from hotswap.engine.attention.base import AttentionBackend
-from hotswap.engine.forward_batch import ForwardBatch, ForwardMode
-from hotswap.engine.memory import KVPool
+from hotswap.engine.core.forward_batch import ForwardBatch, ForwardMode
+from hotswap.engine.kvcache.memory import KVPool
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 UNAVAILABLE = ("flashinfer backend needs CUDA and the flashinfer package; "

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.engine.attention.base import AttentionBackend
-from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.core.forward_batch import ForwardBatch
 
 # A shared decode prefix shorter than this is cheaper to gather per row than to split off.
 CASCADE_MIN_PREFIX = 64

@@ -19,8 +19,8 @@ import triton
 
 from hotswap.engine.attention import triton_kernels as kernels
 from hotswap.engine.attention.base import AttentionBackend
-from hotswap.engine.forward_batch import ForwardBatch
-from hotswap.engine.memory import KVPool
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.kvcache.memory import KVPool
 
 
 class _LaunchConfig(NamedTuple):

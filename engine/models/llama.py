@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.engine.config import ModelConfig
-from hotswap.engine.forward_batch import ForwardBatch
+from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers.linear import Linear, linear, pack
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary

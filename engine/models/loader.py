@@ -40,16 +40,16 @@ def read_checkpoint_meta(model_path: str) -> dict[str, tuple[tuple[int, ...], to
     meta = {}
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 sl = f.get_slice(name)
-                meta[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), None))
+                meta[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype()))
     return meta
 
 
 def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
 

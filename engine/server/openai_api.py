@@ -14,7 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotswap.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token with zero probability
 

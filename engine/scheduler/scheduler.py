@@ -21,14 +21,15 @@ from typing import Any
 import torch
 
 from hotswap.engine.config import EngineConfig
-from hotswap.engine.kv_manager import KVManager
-from hotswap.engine.model_runner import ModelRunner
-from hotswap.engine.output import OutputProcessor
-from hotswap.engine.radix_cache import Namespace, RadixCache
-from hotswap.engine.request import FinishReason, Req
-from hotswap.engine.sampling import Sampler, SamplingBatchInfo
-from hotswap.engine.schedule_batch import BatchRow, ScheduleBatch
-from hotswap.engine.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
+from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.core.request import FinishReason, Req
+from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.kvcache.radix_cache import RadixCache
+from hotswap.engine.scheduler.kv_manager import KVManager
+from hotswap.engine.scheduler.output import OutputProcessor
+from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
+from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from hotswap.engine.protocol import (
+from hotswap.engine.server.protocol import (
     AbortRequest,
     FlushRequest,
     GroupRequest,
@@ -29,7 +29,7 @@ from hotswap.engine.protocol import (
     UpdateFromDistributedRequest,
     WeightsByNameRequest,
 )
-from hotswap.engine.serving import ServerState, State, blocking, json_response
+from hotswap.engine.server.serving import ServerState, State, blocking, json_response
 
 control = APIRouter()
 memory_routes = APIRouter()

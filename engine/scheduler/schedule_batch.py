@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hotswap.engine.forward_batch import ForwardBatch
-from hotswap.engine.request import Req
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.core.request import Req
 
 
 @dataclass

@@ -16,14 +16,10 @@ from typing import Any
 
 import httpx
 
+from hotswap.engine.errors import RemoteEngineError
+
 _GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
                     "top_logprobs_num", "lora_name", "cache_salt", "rid")
-
-
-class RemoteEngineError(RuntimeError):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
 
 
 class RemoteEngine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hotswap.engine.request import FinishReason, IncrementalDetokenizer, Req
+from hotswap.engine.core.request import FinishReason, IncrementalDetokenizer, Req
 
 
 class OutputProcessor:

@@ -12,8 +12,8 @@ import torch
 
 from hotswap.engine.attention import get_backend_class
 from hotswap.engine.config import EngineConfig, ModelConfig
-from hotswap.engine.forward_batch import ForwardBatch
-from hotswap.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from hotswap.engine.models import build_model
 from hotswap.engine.models.loader import load_checkpoint
 

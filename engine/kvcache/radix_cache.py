@@ -37,22 +37,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from hotswap.engine.memory import TokenToKVPoolAllocator
-
-
-@dataclass(frozen=True)
-class Namespace:
-    """What produced a KV entry; entries are shared only within one equal Namespace."""
-
-    weight_version: str
-    adapter_name: str | None = None
-    adapter_version: int = 0
-    cache_salt: str | None = None
+from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.kvcache.memory import TokenToKVPoolAllocator
 
 
 class TreeNode:

@@ -16,8 +16,8 @@ from fastapi import Depends, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotswap.engine.metrics import ServerMetrics
-from hotswap.engine.openai_api import Formatter
+from hotswap.engine.server.metrics import ServerMetrics
+from hotswap.engine.server.openai_api import Formatter
 
 logger = logging.getLogger("hotswap.server")
 

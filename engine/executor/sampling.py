@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hotswap.engine.sampling_params import SamplingParams, seeded_uniform
+from hotswap.engine.core.sampling_params import SamplingParams, seeded_uniform
 
 BLOCK = 128  # vocabulary block of the two-level CDF; divides every common vocabulary size
 MIN_CANDIDATES = 64  # first topk width tried for truncated rows (a multiple of 16, see _round16)

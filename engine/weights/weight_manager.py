@@ -18,20 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_checkpoint_meta
 from hotswap.weight_sync import group as ws_group
 from hotswap.weight_sync.bucket import str_to_dtype
 from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
 
 if TYPE_CHECKING:
-    from hotswap.engine.model_runner import ModelRunner
-    from hotswap.engine.scheduler import Scheduler
+    from hotswap.engine.executor.model_runner import ModelRunner
+    from hotswap.engine.scheduler.scheduler import Scheduler
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class WeightsIncompleteError(RuntimeError):
-    """Generation refused: an update failed after it had started overwriting weights."""
 
 
 class WeightManager:

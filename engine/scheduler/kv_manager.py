@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hotswap.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from hotswap.engine.radix_cache import Namespace, RadixCache
-from hotswap.engine.request import Req
+from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.core.request import Req
+from hotswap.engine.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from hotswap.engine.kvcache.radix_cache import RadixCache
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

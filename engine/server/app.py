@@ -25,11 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from hotswap.engine.control_api import control, control_paths, lora_routes, memory_routes
-from hotswap.engine.metrics import CONTENT_TYPE
-from hotswap.engine.openai_api import Job, chat_job, completion_job
-from hotswap.engine.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from hotswap.engine.serving import (
+from hotswap.engine.errors import WeightsIncompleteError
+from hotswap.engine.server.control_api import control, control_paths, lora_routes, memory_routes
+from hotswap.engine.server.metrics import CONTENT_TYPE
+from hotswap.engine.server.openai_api import Job, chat_job, completion_job
+from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from hotswap.engine.server.serving import (
     CLIENT_GONE,
     GuardMiddleware,
     ServerState,
@@ -39,7 +40,6 @@ from hotswap.engine.serving import (
     json_response,
     until_disconnect,
 )
-from hotswap.engine.weight_manager import WeightsIncompleteError
 
 logger = logging.getLogger("hotswap.server")
 
@@ -264,6 +264,3 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
-
-if __name__ == "__main__":
-    main()

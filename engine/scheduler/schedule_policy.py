@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hotswap.engine.request import Req
+from hotswap.engine.core.request import Req
 
 # Matching every waiting request against the tree each step stops paying off past this.
 LPM_MAX_QUEUE = 128

@@ -10,12 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hotswap.engine.radix_cache import Namespace, TreeNode
-from hotswap.engine.sampling_params import SamplingParams
+from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: the tree lives in kvcache, which imports core
+    from hotswap.engine.kvcache.radix_cache import TreeNode
 
 
 @dataclass

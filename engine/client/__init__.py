@@ -1,0 +1,1 @@
+"""RemoteEngine: the Engine's methods over HTTP."""

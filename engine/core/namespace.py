@@ -1,0 +1,15 @@
+"""The radix cache key's namespace: what produced a KV entry (DESIGN invariant 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What produced a KV entry; entries are shared only within one equal Namespace."""
+
+    weight_version: str
+    adapter_name: str | None = None
+    adapter_version: int = 0
+    cache_salt: str | None = None

@@ -1,0 +1,1 @@
+"""KV pool, slot allocator and the radix prefix cache."""

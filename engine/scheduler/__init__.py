@@ -1,0 +1,1 @@
+"""The scheduler loop, admission policy, schedule batch, KV manager and output processing."""

@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI and native routes, control plane, protocol, metrics."""

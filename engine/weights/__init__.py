@@ -1,0 +1,1 @@
+"""The weight manager: versions, update transactions, update groups."""
