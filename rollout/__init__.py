@@ -1,0 +1,23 @@
+"""hotswap.rollout: prompts -> groups of trajectories with logprobs, versions and loss masks."""
+
+from __future__ import annotations
+
+from hotswap.rollout.advantages import grpo_advantages, nonzero_std
+from hotswap.rollout.agent_loops import SingleTurn
+from hotswap.rollout.client import Completion, TokenClient
+from hotswap.rollout.collect import collect
+from hotswap.rollout.rewards import (
+    exact_match,
+    format_match,
+    group_reward,
+    json_schema_valid,
+    length_penalty,
+    parse_final_answer,
+)
+from hotswap.rollout.trajectory import RolloutBatch, Trajectory
+
+__all__ = [
+    "Completion", "RolloutBatch", "SingleTurn", "TokenClient", "Trajectory", "collect",
+    "exact_match", "format_match", "grpo_advantages", "group_reward", "json_schema_valid",
+    "length_penalty", "nonzero_std", "parse_final_answer",
+]
