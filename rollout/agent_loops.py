@@ -19,8 +19,9 @@ class SingleTurn:
 
     def run_group(self, client: TokenClient, row: dict, group_size: int, group_id: int,
                   seed: int | None = None) -> list[Trajectory]:
+        """A row's optional "sampling" dict overrides the loop's and the client's params."""
         prompt = client.encode_row(row)
-        params = dict(self.sampling)
+        params = {**self.sampling, **row.get("sampling", {})}
         if seed is not None:
             params.setdefault("seed", seed)
         comps = client.generate(prompt, n=group_size, **params)

@@ -103,6 +103,9 @@ class TokenClient:
         """n samples of each prompt (one request per prompt: its prefill is shared), adjacent."""
         prompts = [prompt_ids] if prompt_ids and isinstance(prompt_ids[0], int) else prompt_ids
         params = {**self.sampling, **sampling, "n": n}
+        if self.cancelled.is_set():  # the rollout was called off before this request went out
+            return [Completion([], [], [], {"type": "abort", "message": "cancelled by the rollout"})
+                    for _ in range(len(prompts) * n)]
         outs = self._call([list(p) for p in prompts], params)
         comps = [self._completion(o) for o in outs]
         self._count(len(prompts), prompts, n, comps)
