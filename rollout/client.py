@@ -66,6 +66,13 @@ class TokenClient:
         self._prefix = f"tc{id(self):x}"
         self.inflight: set[str] = set()
 
+    def sibling(self) -> TokenClient:
+        """A client on the same backend, sampling, tokenizer and stats, cancelled on its own."""
+        tokenizer = self.tokenizer if isinstance(self._tokenizer, str) else self._tokenizer
+        other = TokenClient(self.backend, self.sampling, tokenizer, self.max_resubmits)
+        other.stats, other._lock = self.stats, self._lock
+        return other
+
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
