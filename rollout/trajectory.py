@@ -29,6 +29,7 @@ class Trajectory:
     num_turns: int = 1
     row: dict[str, Any] = field(default_factory=dict)
     text: str = ""  # the decoded response (the model's final answer for rewards to read)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # multi-turn loops: the chat
 
     def append_generated(self, ids: list[int], logprobs: list[float],
                          versions: list[str | None]) -> None:
