@@ -7,6 +7,7 @@ from hotswap.rollout.agent_loops import SingleTurn
 from hotswap.rollout.async_rollout import AsyncRollout
 from hotswap.rollout.client import Completion, TokenClient
 from hotswap.rollout.collect import collect
+from hotswap.rollout.program import assistant, function, gen, select, system, user
 from hotswap.rollout.rewards import (
     exact_match,
     format_match,
@@ -22,5 +23,6 @@ __all__ = [
     "AsyncRollout", "Completion", "RolloutBatch", "SingleTurn", "TokenClient", "ToolLoop",
     "Trajectory", "collect", "hermes_tool_calls",
     "exact_match", "format_match", "grpo_advantages", "group_reward", "json_schema_valid",
-    "length_penalty", "nonzero_std", "parse_final_answer",
+    "length_penalty", "nonzero_std", "parse_final_answer", "assistant", "function", "gen",
+    "select", "system", "user",
 ]

@@ -69,6 +69,7 @@ class AsyncRollout:
         self._ids = itertools.count()
         self._rows = itertools.cycle(range(len(self.rows)))
         self._versions: dict[str, int] = {}
+        self._scored: list[float] = []  # rewards of every group scored since the last hand-out
         self.counts: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self._stop = threading.Event()
@@ -148,6 +149,8 @@ class AsyncRollout:
         if self._running.pop(group.gid, None) is None:
             return  # already accounted for (aborted at a hand-out)
         group.trajs = trajs
+        if outcome in ("accepted", "filtered"):
+            self._scored += [t.reward for t in trajs]
         if outcome == "accepted":
             self._ready.append(group)
         elif outcome == "filtered":
@@ -179,8 +182,11 @@ class AsyncRollout:
                 self.batch_groups:]
             self.counts["accepted"] += len(groups)
             self._handle_unfinished()
+            scored, self._scored = self._scored, []
             self._cond.notify_all()
-        return self._to_batch(groups, version, time.perf_counter() - start)
+        batch = self._to_batch(groups, version, time.perf_counter() - start)
+        batch.meta["scored_rewards"] = scored
+        return batch
 
     def _check_ready(self, version: int) -> None:
         keep = []

@@ -44,11 +44,11 @@ def collect(client: Any, loop: Any, rows: Sequence[dict], group_size: int = 8,
         raise ValueError(f"target_groups must be in 1..{len(rows)} (the rows given)")
     start = time.perf_counter()
     client.cancelled.clear()
-    kept, counts = _run_groups(client, loop, rows, group_size, reward, filter, target,
+    kept, counts, scored = _run_groups(client, loop, rows, group_size, reward, filter, target,
                                over_sample, seed, reward_timeout_s, max_concurrent_groups)
     trajs = [t for group in kept for t in group]
     advantages = grpo_advantages([t.reward for t in trajs], [t.group_id for t in trajs], scale)
-    meta = {"groups": counts, "seconds": time.perf_counter() - start,
+    meta = {"groups": counts, "seconds": time.perf_counter() - start, "scored_rewards": scored,
             "sampling": dict(client.sampling), "weight_version": client.weight_version()}
     return RolloutBatch.from_trajectories(trajs, advantages, meta)
 
@@ -56,8 +56,9 @@ def collect(client: Any, loop: Any, rows: Sequence[dict], group_size: int = 8,
 def _run_groups(client: TokenClient, loop: Any, rows: Sequence[dict], group_size: int,
                 reward: RewardFn | None, keep: GroupFilter | None, target: int,
                 over_sample: int, seed: int | None, timeout_s: float | None,
-                concurrency: int) -> tuple[list[list[Trajectory]], dict[str, int]]:
+                concurrency: int) -> tuple[list[list[Trajectory]], dict[str, int], list[float]]:
     counts = {"started": 0, "kept": 0, "filtered": 0, "aborted": 0}
+    scored: list[float] = []  # every completed group's rewards, kept or filtered
     kept: list[list[Trajectory]] = []
     next_row = 0
 
@@ -86,7 +87,9 @@ def _run_groups(client: TokenClient, loop: Any, rows: Sequence[dict], group_size
                 group = fut.result()
                 if len(kept) >= target or any(t.finish_reason == "abort" for t in group):
                     counts["aborted"] += 1
-                elif keep is None or keep(group):
+                    continue
+                scored.extend(t.reward for t in group)
+                if keep is None or keep(group):
                     kept.append(group)
                     counts["kept"] += 1
                 else:
@@ -95,5 +98,5 @@ def _run_groups(client: TokenClient, loop: Any, rows: Sequence[dict], group_size
                 client.abort_inflight()
             else:
                 launch(target - len(kept) - len(running) + over_sample)
-    return kept, counts
+    return kept, counts, scored
 

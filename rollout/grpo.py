@@ -293,9 +293,10 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         source.close()
         run_dir = tracker.finish()
     wall = time.perf_counter() - started
-    print(f"done in {wall:.0f} s; final weight version {args.steps}; reward mean first 3 steps "
-          f"{_mean(h['reward/mean'] for h in history[:3]):.3f}, last 3 steps "
-          f"{_mean(h['reward/mean'] for h in history[-3:]):.3f}")
+    key = "reward/sampled_mean" if "reward/sampled_mean" in history[0] else "reward/mean"
+    print(f"done in {wall:.0f} s; final weight version {args.steps}; mean reward of all sampled "
+          f"groups: first 3 steps {_mean(h.get(key, math.nan) for h in history[:3]):.3f}, "
+          f"last 3 steps {_mean(h.get(key, math.nan) for h in history[-3:]):.3f}")
     print(f"wandb run ({tracker.mode}) written to {run_dir}")
     return {"history": history, "run_dir": run_dir, "wall_s": wall}
 

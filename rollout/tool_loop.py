@@ -64,15 +64,25 @@ class TemplateDeltas:
             k -= 1
         return self.closing[k:]
 
+    def generation_prompt(self) -> list[int]:
+        """Tokens that open an assistant turn after a closed message."""
+        return self._suffix(self._render(_BASE, False), self._render(_BASE, True))
+
+    def message(self, msg: dict) -> list[int]:
+        """Tokens of one more (closed) message after a closed message."""
+        return self._suffix(self._render(_BASE, False), self._render([*_BASE, msg], False))
+
+    def _suffix(self, base: str, full: str) -> list[int]:
+        if not full.startswith(base):
+            raise ValueError("chat template: appending messages changes the rendered prefix; "
+                             "token deltas are not possible with this template")
+        return self._encode(full[len(base):])
+
     def messages(self, new: list[dict]) -> list[int]:
         """Tokens the template adds for `new` messages after a closed assistant turn, up to and
         including the next assistant generation prompt."""
         base = [*_BASE, {"role": "assistant", "content": ""}]
-        full = self._render([*base, *new], True)
-        if not full.startswith(self._base_closed):
-            raise ValueError("chat template: appending messages changes the rendered prefix; "
-                             "token deltas are not possible with this template")
-        return self._encode(full[len(self._base_closed):])
+        return self._suffix(self._base_closed, self._render([*base, *new], True))
 
 
 class ToolLoop:

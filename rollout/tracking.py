@@ -17,7 +17,7 @@ from hotswap.rollout.trajectory import RolloutBatch
 # Console columns: (metric key, header, width, format spec).
 COLUMNS = [
     ("step", "step", 4, ".0f"), ("weight_version", "version", 7, ""),
-    ("reward/mean", "reward", 6, ".3f"), ("reward/std", "r std", 5, ".2f"),
+    ("reward/sampled_mean", "reward", 6, ".3f"), ("reward/mean", "kept r", 6, ".3f"),
     ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
     ("rollout/cache_hit_rate", "cache", 5, ".2f"), ("staleness/version_lag_max", "lag", 3, ".0f"),
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
@@ -75,7 +75,8 @@ class Tracker:
         self._write(" ".join(_fmt(metrics[k], w, spec) for k, _, w, spec in cols))
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
+            reward = metrics.get("reward/sampled_mean", metrics.get("reward/mean", math.nan))
+            self.bar.set_postfix(reward=f"{reward:.3f}")
 
     def _write(self, line: str) -> None:
         if self.bar is not None:
@@ -109,6 +110,9 @@ def batch_metrics(batch: RolloutBatch, engine_version: int | None = None) -> dic
            "response/length": sum(lengths) / max(1, len(lengths)),
            "response/finished_fraction": sum(f == "stop" for f in batch.finish_reason)
            / max(1, len(batch)), "batch/trajectories": float(len(batch))}
+    scored = [r for r in batch.meta.get("scored_rewards", []) if not math.isnan(r)]
+    if scored:  # every group sampled this step, before the filter kept some
+        out["reward/sampled_mean"] = sum(scored) / len(scored)
     versions = [int(v) for row in batch.weight_versions for v in row
                 if v is not None and str(v).isdigit()]
     if engine_version is not None and versions:
