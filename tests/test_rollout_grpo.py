@@ -85,3 +85,16 @@ def test_help_documents_every_option(capsys):
     for option in ("--steps", "--transport", "--async", "--max-staleness", "--wandb-dir",
                    "--group-size", "--lr", "--filter"):
         assert option in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--async"]])
+def test_async_mode(model_path, tmp_path, mode):
+    args = parse_args(["--model-path", model_path, "--steps", "2", "--prompts", "2",
+                       "--group-size", "2", "--over-sample", "0", "--max-new-tokens", "4",
+                       "--lr", "1e-3", "--wandb-dir", str(tmp_path), "--quiet", *mode])
+    history = run(args, reward=varied_reward)["history"]
+    assert [h["weight_version"] for h in history] == [0, 1]
+    for h in history:
+        assert h["mismatch/abs_diff"] < 1e-4 and h["time/weight_sync_s"] > 0
+        assert h["staleness/version_lag_max"] <= args.max_staleness
