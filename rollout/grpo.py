@@ -142,7 +142,7 @@ def start_server_process(path: str, dtype: str, seed: int) -> EngineHandle:
     return EngineHandle(remote, push, close)
 
 
-def _wait_healthy(remote: Any, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def _wait_healthy(remote: Any, proc: subprocess.Popen, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
