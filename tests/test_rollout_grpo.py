@@ -95,6 +95,9 @@ def test_async_mode(model_path, tmp_path, mode):
                        "--lr", "1e-3", "--wandb-dir", str(tmp_path), "--quiet", *mode])
     history = run(args, reward=varied_reward)["history"]
     assert [h["weight_version"] for h in history] == [0, 1]
+    # step 0 trains on version-0 samples with version-0 weights: the logprobs agree; later
+    # batches may hold tokens one version old (off-policy, corrected by the ratio)
+    assert history[0]["mismatch/abs_diff"] < 1e-4
     for h in history:
-        assert h["mismatch/abs_diff"] < 1e-4 and h["time/weight_sync_s"] > 0
+        assert h["time/weight_sync_s"] > 0 and h["batch/trajectories"] == 4
         assert h["staleness/version_lag_max"] <= args.max_staleness
