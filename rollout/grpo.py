@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples-per-step", type=int, default=4,
                    help="completions logged to the wandb samples table per step")
     p.add_argument("--dtype", default="float32", help="engine and trainer dtype")
+    p.add_argument("--max-total-tokens", type=int, default=16384,
+                   help="engine KV pool in tokens (small: the trainer shares the memory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if min(args.steps, args.prompts, args.group_size, args.max_new_tokens) < 1:
@@ -101,10 +103,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_in_process(path: str, dtype: str, seed: int) -> EngineHandle:
+def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
     from hotswap.engine import Engine
 
-    engine = Engine(path, dtype=dtype, seed=seed)
+    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens)
 
     def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
         reply = engine.update_weights_from_tensor(named, weight_version=version)
@@ -114,7 +116,7 @@ def start_in_process(path: str, dtype: str, seed: int) -> EngineHandle:
     return EngineHandle(engine, push, engine.shutdown)
 
 
-def start_server_process(path: str, dtype: str, seed: int) -> EngineHandle:
+def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
     """The engine as `python -m hotswap.engine.server` in a child process; weights over gloo."""
     from hotswap.engine import RemoteEngine
     from hotswap.weight_sync import WeightSender
@@ -122,7 +124,8 @@ def start_server_process(path: str, dtype: str, seed: int) -> EngineHandle:
     port, admin = _free_port(), secrets.token_hex(8)
     proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", path,
                              "--port", str(port), "--admin-key", admin, "--dtype", dtype,
-                             "--seed", str(seed), "--log-level", "warning"])
+                             "--seed", str(seed), "--max-total-tokens", str(kv_tokens),
+                             "--log-level", "warning"])
     remote = RemoteEngine(f"http://127.0.0.1:{port}", admin_key=admin)
     _wait_healthy(remote, proc)
     sender = WeightSender("127.0.0.1", _free_port(), world_size=2, backend="gloo",
@@ -219,7 +222,7 @@ def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
 @contextmanager
 def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
     start = start_server_process if args.transport == "gloo" else start_in_process
-    handle = start(path, args.dtype, args.seed)
+    handle = start(path, args.dtype, args.seed, args.max_total_tokens)
     try:
         yield handle
     finally:
