@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -147,3 +148,32 @@ def test_group_helper_rejects_what_hotswap_cannot_join():
     with pytest.raises(ValueError, match="group_name"):
         init_custom_process_group(backend="gloo", init_method="tcp://127.0.0.1:1",
                                   world_size=2, rank=0)
+
+
+def test_verl_registry_entry_resolves_to_the_adapter(monkeypatch):
+    """With verl importable (a stand-in for its base module here), the adapter subclasses
+    BaseRollout and verl's registry lookup finds it under ("hotswap", "async")."""
+    import importlib
+    import types
+
+    base = types.ModuleType("verl.workers.rollout.base")
+
+    class BaseRollout:
+        pass
+
+    base.BaseRollout = BaseRollout
+    base._ROLLOUT_REGISTRY = {("sglang", "async"): "verl.workers.rollout.sglang_rollout.X"}
+    for name in ("verl", "verl.workers", "verl.workers.rollout"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "verl.workers.rollout.base", base)
+    try:
+        module = importlib.reload(verl)
+        fqdn = base._ROLLOUT_REGISTRY[("hotswap", "async")]
+        module_name, class_name = fqdn.rsplit(".", 1)  # verl's get_rollout_class
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert cls is module.HotswapServerAdapter and issubclass(cls, BaseRollout)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(verl)
+    if importlib.util.find_spec("verl") is None:
+        assert verl.HotswapServerAdapter.__mro__[1] is object
