@@ -29,7 +29,8 @@ def main() -> None:
     config = GRPOConfig(output_dir="/tmp/hotswap-grpo", use_vllm=True, vllm_mode="server",
                         per_device_train_batch_size=4, num_generations=4,
                         max_completion_length=24, max_steps=args.steps, learning_rate=1e-5,
-                        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True)
+                        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                        bf16=False)  # TRL's default bf16 autocast would score in bf16
     with Engine(path) as engine:
         with use_hotswap(engine):  # instead of `vllm serve` + the trainer's VLLMClient
             trainer = GRPOTrainer(model=path, reward_funcs=reward_short, args=config,
