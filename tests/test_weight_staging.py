@@ -17,6 +17,7 @@ from fixtures import write_tiny_chat_model
 from hotswap.engine import Engine
 from hotswap.engine.errors import WeightsIncompleteError
 
+pytestmark = pytest.mark.slow
 PROMPTS = [[5, 9, 33, 40, 7], [100, 101, 102], [60, 61, 62, 63, 64, 65, 66]]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
