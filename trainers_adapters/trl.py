@@ -71,6 +71,8 @@ class VLLMClient:
                                 temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 max_tokens=max_tokens, logprobs=logprobs, **extra)
         texts = all(isinstance(p, str) for p in prompts)
+        if texts and not hasattr(self.engine, "tokenizer"):
+            raise ValueError("text prompts need an in-process Engine; send token ids")
         outs = self.engine.generate(prompts if texts else None, params.to_hotswap(),
                                     None if texts else [list(p) for p in prompts],
                                     return_logprob=logprobs is not None,
