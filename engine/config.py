@@ -114,6 +114,9 @@ class EngineConfig:
     # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
     # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
     pack_weights: bool = True
+    # Keep a host copy of the weights across release_memory_occupation (SGLang's name): resume
+    # then restores them, so a colocated trainer need not push weights before generating.
+    enable_weights_cpu_backup: bool = False
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

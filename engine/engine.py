@@ -21,6 +21,7 @@ from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.weight_manager import WeightManager
+from hotswap.weight_sync.serialize import deserialize_named_tensors
 
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
 _PAUSE_MODES = ("abort", "retract", "in_place")
@@ -74,9 +75,10 @@ class Engine:
         self.weights.close()
 
     def generate(self, prompt: str | list[str] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None,
+                 sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, *,
                  messages: list[dict] | list[list[dict]] | None = None,
-                 sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
+                 return_logprob: bool = False,
                  top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
                  stream: bool = False) -> dict | list[dict] | Iterator[dict]:
@@ -110,9 +112,9 @@ class Engine:
                     self.abort_request(req.rid)
 
     async def async_generate(self, prompt: str | list[str] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None,
-                             messages: list[dict] | list[list[dict]] | None = None,
                              sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, *,
+                             messages: list[dict] | list[list[dict]] | None = None,
                              return_logprob: bool = False, top_logprobs_num: int = 0,
                              lora_name: str | list[str] | None = None,
                              cache_salt: str | list[str] | None = None,
@@ -258,6 +260,11 @@ class Engine:
         return self.scheduler.call(self.weights.resume).result()
 
     def flush_cache(self, timeout_s: float | None = None) -> dict:
+        """Commits a staged weight update first: SGLang trainers end a bucketed update with it."""
+        if self.weights.stage is not None:
+            committed = self.commit_weight_update()
+            if not committed["success"]:
+                return committed
         return self.weights.flush_cache(timeout_s)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
@@ -275,18 +282,60 @@ class Engine:
     def get_weight_version(self) -> str:
         return self.weights.version
 
-    def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
-                                   flush_cache: bool = True, pause_mode: str = "retract") -> dict:
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True, *, weight_version: str | None = None,
+                                   pause_mode: str = "retract", commit: bool = True) -> dict:
         """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine.
 
-        flush_cache is accepted for API compatibility: every commit retires all KV of older
-        versions and frees it at once, so there is nothing left for a flush to drop.
+        flush_cache is accepted for SGLang's positional order: every commit retires all KV of
+        older versions and frees it at once, so there is nothing left for a flush to drop.
+        commit=False stages the tensors: generation is held and the version stays until
+        commit_weight_update() (or a later call with commit=True) makes them one version.
         """
-        return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode)
+        _check_direct_format(load_format)
+        return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode, commit)
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 flush_cache: bool = True, pause_mode: str = "retract") -> dict:
-        return self.weights.update_from_disk(model_path, weight_version, pause_mode)
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                 weight_version: str | None = None, flush_cache: bool = True,
+                                 pause_mode: str = "retract", commit: bool = True) -> dict:
+        if load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {load_format!r}: checkpoints load as safetensors")
+        return self.weights.update_from_disk(model_path, weight_version, pause_mode, commit)
+
+    def update_weights_from_serialized(self, serialized_named_tensors: list[str],
+                                       load_format: str | None = None, flush_cache: bool = True,
+                                       *, weight_version: str | None = None,
+                                       pause_mode: str = "retract",
+                                       commit: bool | None = None) -> dict:
+        """HTTP's /update_weights_from_tensor: base64 safetensors (one entry per rank in SGLang;
+        every entry is applied). commit=None commits when flush_cache is true, as SGLang's
+        trainers send flush_cache=False on every bucket but the last."""
+        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+            raise ValueError("serialized_named_tensors must be a non-empty list of strings")
+        _check_direct_format(None if load_format == "flattened_bucket" else load_format)
+        named: dict[str, Any] = {}
+        for data in serialized_named_tensors:
+            named.update(deserialize_named_tensors(data))
+        return self.update_weights_from_tensor(
+            named, None, flush_cache, weight_version=weight_version, pause_mode=pause_mode,
+            commit=flush_cache if commit is None else commit)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """Relabel the serving weights (SGLang's route): new requests and their cache namespace
+        use the new label; the weights do not change."""
+        if not isinstance(new_version, str) or not new_version:
+            raise ValueError("new_version must be a non-empty string")
+        return self.scheduler.call(
+            lambda: self.weights.relabel(new_version, abort_all_requests)).result()
+
+    def commit_weight_update(self, weight_version: str | None = None) -> dict:
+        """Commit the staged update (commit=False calls) as one version; a no-op without one."""
+        return self.scheduler.call(lambda: self.weights.commit_stage(weight_version)).result()
+
+    def abort_weight_update(self) -> dict:
+        """Drop the staged update. If it wrote tensors, generation is refused until a complete
+        update succeeds (the weights are half a version)."""
+        return self.scheduler.call(self.weights.abort_stage).result()
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -297,12 +346,14 @@ class Engine:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        load_format: str | None = None, *,
                                         weight_version: str | None = None,
-                                        flush_cache: bool = True, pause_mode: str = "retract",
-                                        load_format: str | None = None) -> dict:
+                                        pause_mode: str = "retract",
+                                        commit: bool = True) -> dict:
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
                                                     weight_version, pause_mode,
-                                                    load_format)
+                                                    load_format, commit)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
@@ -314,6 +365,13 @@ class Engine:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
         self.scheduler.call(self.scheduler.check_integrity).result()
 
+
+
+def _check_direct_format(load_format: str | None) -> None:
+    # SGLang's other formats carry handles or buckets that its adapter unpacks first.
+    if load_format not in (None, "direct"):
+        raise ValueError(f"load_format {load_format!r}: the Engine takes named tensors "
+                         "(None); hotswap.trainers_adapters.sglang unpacks flattened buckets")
 
 
 def _memory_tags(tags: list[str] | None) -> list[str]:

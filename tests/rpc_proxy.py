@@ -21,8 +21,10 @@ EXPOSED = ("init_weights_update_group", "update_weights_from_distributed",
 class RpcServer:
     """Serves `target`'s EXPOSED methods, one thread per connection."""
 
-    def __init__(self, target: Any, authkey: bytes | None = None) -> None:
+    def __init__(self, target: Any, authkey: bytes | None = None,
+                 exposed: tuple[str, ...] = EXPOSED) -> None:
         self.target = target
+        self.exposed = exposed
         self.authkey = authkey or os.urandom(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
         self._closed = False
@@ -67,7 +69,7 @@ class RpcServer:
             except (EOFError, OSError):
                 return
             try:
-                if method not in EXPOSED:
+                if method not in self.exposed:
                     raise ValueError(f"method {method!r} is not exposed")
                 reply = ("ok", getattr(self.target, method)(**kwargs))
             except Exception as exc:  # noqa: BLE001 - sent back to the caller

@@ -85,7 +85,8 @@ def test_errors_map_to_python_exceptions(server, remote):
         remote.release_memory_occupation(["gpu"])
     assert remote.release_memory_occupation(["kv_cache"])["success"]
     assert remote.resume_memory_occupation(["kv_cache"])["success"]
-    with pytest.raises(TypeError, match="do not travel over HTTP"):
+    # Tensors travel in the body now (base64 safetensors); a bad one is refused by name.
+    with pytest.raises(ValueError, match="unexpected tensor 'x'"):
         remote.update_weights_from_tensor({"x": torch.zeros(1)})
     assert repr(remote) == f"RemoteEngine('{server.url}')"
 

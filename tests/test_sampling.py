@@ -316,7 +316,7 @@ def test_grammar_mask_and_its_precedence_over_the_eos_ban():
     [
         ("max_new_tokens", -1), ("max_new_tokens", 1.5), ("max_new_tokens", True),
         ("min_new_tokens", -2), ("temperature", -0.1), ("temperature", "hot"),
-        ("temperature", math.inf), ("top_p", 0.0), ("top_p", 1.01), ("top_k", 0), ("top_k", -2),
+        ("temperature", math.inf), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2),
         ("min_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0.0),
         ("frequency_penalty", 2.5), ("presence_penalty", -3), ("n", 0), ("n", MAX_N + 1),
         ("stop", 3), ("stop", ["ok", 4]), ("stop", [""]), ("stop_token_ids", [1, -1]),
@@ -378,3 +378,8 @@ def test_whole_vocabulary_draws_cross_blocks_correctly(seeded):
     expected = ref * draws
     chi2 = float(((counts[hot] - expected) ** 2 / expected).sum())
     assert chi2 < 12 + 6 * math.sqrt(24) + 6, chi2
+
+
+def test_top_k_zero_means_off_as_in_vllm_and_trl():
+    assert SamplingParams.from_dict({"top_k": 0}) == SamplingParams.from_dict({"top_k": -1})
+    assert SamplingParams(top_k=0).top_k == -1

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from hotswap.engine.errors import RemoteEngineError
+from hotswap.weight_sync.serialize import serialize_named_tensors
 
 _GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
                     "top_logprobs_num", "lora_name", "cache_salt", "rid")
@@ -63,9 +64,10 @@ class RemoteEngine:
     # generation
 
     def generate(self, prompt: str | list[str] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None,
+                 sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, *,
                  messages: list[dict] | list[list[dict]] | None = None,
-                 sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
+                 return_logprob: bool = False,
                  top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
                  stream: bool = False) -> dict | list[dict] | Iterator[dict]:
@@ -87,9 +89,9 @@ class RemoteEngine:
                     yield event
 
     async def async_generate(self, prompt: str | list[str] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None,
-                             messages: list[dict] | list[list[dict]] | None = None,
                              sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, *,
+                             messages: list[dict] | list[list[dict]] | None = None,
                              return_logprob: bool = False, top_logprobs_num: int = 0,
                              lora_name: str | list[str] | None = None,
                              cache_salt: str | list[str] | None = None,
@@ -138,15 +140,33 @@ class RemoteEngine:
         _raise_for_error(response.status_code, response.content)
         return response.text
 
-    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> dict:
-        raise TypeError("tensors do not travel over HTTP: use a WeightSender "
-                                  "(update_weights_from_distributed) or update_weights_from_disk")
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True, *, weight_version: str | None = None,
+                                   pause_mode: str = "retract", commit: bool = True) -> dict:
+        """The tensors travel in the body (base64 safetensors): one call per bucket; for a
+        whole model prefer a WeightSender (update_weights_from_distributed)."""
+        return self._post_control(
+            "/update_weights_from_tensor",
+            serialized_named_tensors=[serialize_named_tensors(named_tensors)],
+            load_format=load_format, flush_cache=flush_cache, weight_version=weight_version,
+            pause_mode=pause_mode, commit=commit)
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 flush_cache: bool = True, pause_mode: str = "retract") -> dict:
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                 weight_version: str | None = None, flush_cache: bool = True,
+                                 pause_mode: str = "retract") -> dict:
         return self._post_control("/update_weights_from_disk", model_path=model_path,
-                                  weight_version=weight_version, flush_cache=flush_cache,
-                                  pause_mode=pause_mode)
+                                  load_format=load_format, weight_version=weight_version,
+                                  flush_cache=flush_cache, pause_mode=pause_mode)
+
+    def commit_weight_update(self, weight_version: str | None = None) -> dict:
+        return self._post_control("/commit_weight_update", weight_version=weight_version)
+
+    def abort_weight_update(self) -> dict:
+        return self._post_control("/abort_weight_update")
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return self._post_control("/update_weight_version", new_version=new_version,
+                                  abort_all_requests=abort_all_requests)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -158,14 +178,16 @@ class RemoteEngine:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        load_format: str | None = None, *,
                                         weight_version: str | None = None,
-                                        flush_cache: bool = True, pause_mode: str = "retract",
-                                        load_format: str | None = None) -> dict:
+                                        pause_mode: str = "retract",
+                                        commit: bool = True) -> dict:
         return self._post_control(
             "/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
             shapes=[list(s) for s in shapes], group_name=group_name,
             weight_version=weight_version, flush_cache=flush_cache, pause_mode=pause_mode,
-            load_format=load_format)
+            load_format=load_format, commit=commit)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._post_control("/destroy_weights_update_group", group_name=group_name)

@@ -201,9 +201,9 @@ def _normalised_fields(p: SamplingParams) -> dict[str, Any]:
         _fail("min_new_tokens", f"at most max_new_tokens ({out['max_new_tokens']})",
               out["min_new_tokens"])
     top_k = _as_int("top_k", p.top_k)
-    if top_k == 0 or top_k < -1:
-        _fail("top_k", "-1 (off) or a positive integer", top_k)
-    out["top_k"] = top_k
+    if top_k < -1:
+        _fail("top_k", "-1 or 0 (off) or a positive integer", top_k)
+    out["top_k"] = -1 if top_k == 0 else top_k  # 0 is "off" in vLLM and TRL
     for name in ("frequency_penalty", "presence_penalty"):
         out[name] = _as_float(name, getattr(p, name), -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
     if p.seed is not None:

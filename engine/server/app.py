@@ -40,6 +40,13 @@ from hotswap.engine.server.serving import (
     json_response,
     until_disconnect,
 )
+from hotswap.engine.server.sglang_compat import (
+    GenerateOptions,
+    sglang_control,
+    sglang_routes,
+    shape_output,
+    translate_generate,
+)
 
 logger = logging.getLogger("hotswap.server")
 
@@ -77,17 +84,26 @@ async def list_models(state: State) -> Response:
 
 @inference.post("/generate")
 async def generate(state: State, body: GenerateRequest, request: Request) -> Response:
-    kwargs = body.model_dump(exclude_defaults=True)
+    kwargs, options = translate_generate(body)
     stream = kwargs.pop("stream", False)
+    decode = state.engine.tokenizer.decode
     if stream:
         events = await state.engine.async_generate(**kwargs, stream=True)
-        return SSEResponse(_observed(state, events))
+        return SSEResponse(_shaped(_observed(state, events), options, decode))
     out = await until_disconnect(request, state.engine.async_generate(**kwargs))
     if out is CLIENT_GONE:
         return Response(status_code=499)
     for o in out if isinstance(out, list) else [out]:
         state.metrics.observe_output(o["meta_info"])
+        shape_output(o, options, lambda t: decode([t]))
     return json_response(out)
+
+
+async def _shaped(events: AsyncIterator[dict], options: GenerateOptions,
+                  decode: Any) -> AsyncIterator[dict]:
+    async with aclosing(events):
+        async for event in events:
+            yield shape_output(event, options, lambda t: decode([t]))
 
 
 async def _observed(state: ServerState, events: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -171,7 +187,7 @@ def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = 
     app = FastAPI(title="hotswap", summary="Rollout engine with live weight updates")
     name = served_model_name or engine.config.model_path.rstrip("/").rsplit("/", 1)[-1]
     app.state.hotswap = state = ServerState(engine, name)
-    routers = [open_routes, inference, control]
+    routers = [open_routes, inference, control, sglang_routes, sglang_control]
     if hasattr(engine, "release_memory_occupation"):
         routers.append(memory_routes)
     if hasattr(engine, "load_lora_adapter"):
@@ -185,7 +201,7 @@ def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = 
                        max_body_bytes=max_body_bytes,
                        count=lambda route, status: state.metrics.requests.labels(
                            route, str(status)).inc(), routes=routes,
-                       control_paths=control_paths())
+                       control_paths=control_paths() | {r.path for r in sglang_control.routes})
     return app
 
 
@@ -221,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weight-update-timeout-s", type=float, default=300.0)
     e.add_argument("--no-pack-weights", action="store_true",
                    help="CPU float32: no oneDNN-blocked weight copies (half the weight memory)")
+    e.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep a host copy of the weights across release_memory_occupation")
     return p
 
 
@@ -235,7 +253,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 deterministic=args.deterministic, mem_fraction=args.mem_fraction,
                 context_length=args.context_length,
                 weight_update_timeout_s=args.weight_update_timeout_s,
-                pack_weights=not args.no_pack_weights)
+                pack_weights=not args.no_pack_weights,
+                enable_weights_cpu_backup=args.enable_weights_cpu_backup)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:

@@ -62,8 +62,11 @@ async def init_weights_update_group(state: State, body: InitGroupRequest) -> Res
 @control.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(state: State,
                                           body: UpdateFromDistributedRequest) -> Response:
+    kwargs = body.model_dump()
+    if kwargs["commit"] is None:
+        kwargs["commit"] = kwargs["flush_cache"]
     return await _update(state, "distributed", state.engine.update_weights_from_distributed,
-                         **body.model_dump())
+                         **kwargs)
 
 
 @control.post("/destroy_weights_update_group")

@@ -155,13 +155,23 @@ class GenerateRequest(Body):
     cache_salt: str | list[str | None] | None = None
     rid: str | list[str | None] | None = None
     stream: bool = False
+    # SGLang's names and fields (translated or refused in sglang_compat.py).
+    text: str | list[str] | None = None
+    image_data: Any = None
+    logprob_start_len: Int | None = None
+    token_ids_logprob: Any = None
+    lora_path: str | list[str | None] | None = None
+    custom_logit_processor: Any = None
+    return_text_in_logprobs: bool | None = None
 
 
 class UpdateFromDiskRequest(Body):
     model_path: str
+    load_format: str | None = None
     weight_version: str | None = None
     flush_cache: bool = True
     pause_mode: PauseMode = "retract"
+    commit: bool = True
 
 
 class InitGroupRequest(Body):
@@ -182,6 +192,9 @@ class UpdateFromDistributedRequest(Body):
     flush_cache: bool = True
     pause_mode: PauseMode = "retract"
     load_format: Literal["flattened_bucket"] | None = None
+    # None: commit when flush_cache is true, as SGLang's trainers send flush_cache=False on every
+    # bucket but the last; a staged update commits at flush_cache or continue_generation.
+    commit: bool | None = None
 
 
 class GroupRequest(Body):

@@ -20,6 +20,7 @@ import torch
 
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_checkpoint_meta
+from hotswap.engine.weights.staging import Stage
 from hotswap.weight_sync import group as ws_group
 from hotswap.weight_sync.bucket import str_to_dtype
 from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
@@ -41,6 +42,9 @@ class WeightManager:
         self._auto = itertools.count(1)
         self._groups: dict[str, ws_group.WeightGroup] = {}
         self.scheduler: Scheduler | None = None
+        self.stage: Stage | None = None  # an open staged update (scheduler thread)
+        self.keep_host_copy = bool(getattr(runner.config, "enable_weights_cpu_backup", False))
+        self._host_copy: dict[str, torch.Tensor] | None = None
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -60,11 +64,17 @@ class WeightManager:
     def pause(self, mode: str) -> dict:
         self._apply_pause_mode(mode)
         self.scheduler.paused = True
+        if self.stage is not None:
+            self.stage.was_paused = True
         return {"success": True, "message": f"paused ({mode})"}
 
     def resume(self) -> dict:
+        committed = ""
+        if self.stage is not None:
+            # slime pauses, pushes buckets and continues: continuing commits what was staged.
+            committed = "; " + self.commit_stage(None)["message"]
         self.scheduler.paused = False
-        return {"success": True, "message": "resumed"}
+        return {"success": True, "message": "resumed" + committed}
 
     def _apply_pause_mode(self, mode: str) -> None:
         if mode == "abort":
@@ -106,11 +116,16 @@ class WeightManager:
         if busy:
             return {"success": False, "message": f"{busy} request(s) queued or running; "
                     "wait for them or abort them before releasing memory"}
+        if self.stage is not None:
+            return {"success": False, "message": "a staged weight update is open; commit or "
+                    "abort it before releasing memory"}
         if "kv_cache" in tags and self.runner.kv_pool.allocated:
             sched.tree.reset()
             self.runner.allocator.clear()
             self.runner.kv_pool.release()
         if "weights" in tags and not self.runner.weights_released:
+            if self.keep_host_copy and self.incomplete is None:
+                self._host_copy = self._copy_to_host()
             self.runner.release_weights()
             self._damaged = self.runner.model.required_weight_names()
             self.incomplete = ("weights were released by release_memory_occupation; resume "
@@ -122,6 +137,7 @@ class WeightManager:
             self.runner.kv_pool.allocate()
         if "weights" in tags:
             self.runner.resume_weights()
+            self._restore_host_copy()
         return {"success": True, "message": f"resumed {', '.join(tags)}"}
 
     # reads
@@ -152,7 +168,8 @@ class WeightManager:
             raise ValueError("the update holds no tensors")
 
     def update_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping,
-                           weight_version: str | None, pause_mode: str) -> dict:
+                           weight_version: str | None, pause_mode: str,
+                           commit: bool = True) -> dict:
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
                      else named_tensors)
         if any(not isinstance(t, torch.Tensor) for _, t in items):
@@ -162,15 +179,15 @@ class WeightManager:
             raise ValueError("named_tensors repeats a name")
         self._validate({n: (tuple(t.shape), t.dtype) for n, t in items}, complete=False)
         version = self._prepare(weight_version, pause_mode)
-        return self._commit(lambda: self._copy_in(items), names, version, pause_mode)
+        return self._commit(lambda: self._copy_in(items), names, version, pause_mode, commit)
 
     def update_from_disk(self, model_path: str, weight_version: str | None,
-                         pause_mode: str) -> dict:
+                         pause_mode: str, commit: bool = True) -> dict:
         meta = read_checkpoint_meta(model_path)
         self._validate(meta, complete=True)
         version = self._prepare(weight_version, pause_mode)
         return self._commit(lambda: self._copy_in(iter_checkpoint(model_path)), list(meta),
-                            version, pause_mode)
+                            version, pause_mode, commit)
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> dict:
@@ -191,7 +208,7 @@ class WeightManager:
     def update_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                 shapes: Sequence[Sequence[int]], group_name: str,
                                 weight_version: str | None, pause_mode: str,
-                                load_format: str | None) -> dict:
+                                load_format: str | None, commit: bool = True) -> dict:
         group = self._groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight update group {group_name!r}; "
@@ -217,27 +234,35 @@ class WeightManager:
                                          device=self.runner.device, into=into)) as received:
                 self._copy_in((n, t) for n, t in received if n not in into)
 
-        return self._commit(apply, list(names), version, pause_mode)
+        return self._commit(apply, list(names), version, pause_mode, commit)
 
     def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in named:
                 self.runner.weight_map[name].view.copy_(tensor)
 
-    def _prepare(self, weight_version: str | None, pause_mode: str) -> str:
-        """Check the remaining arguments; returns the version the update will commit."""
+    def _prepare(self, weight_version: str | None, pause_mode: str) -> str | None:
+        """Check the remaining arguments; returns the requested version (None: automatic),
+        resolved when the update commits."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        return self._next_version(weight_version)
+        if weight_version is not None and (not isinstance(weight_version, str)
+                                           or not weight_version):
+            raise ValueError("weight_version must be a non-empty string")
+        return weight_version
 
-    def _commit(self, apply: Callable[[], None], names: list[str], version: str,
-                pause_mode: str) -> dict:
+    def _commit(self, apply: Callable[[], None], names: list[str], version: str | None,
+                pause_mode: str, commit: bool = True) -> dict:
         return self.scheduler.call(
-            lambda: self._commit_now(apply, names, version, pause_mode)).result()
+            lambda: self._commit_now(apply, names, version, pause_mode, commit)).result()
 
-    def _commit_now(self, apply: Callable[[], None], names: list[str], version: str,
-                    pause_mode: str) -> dict:
-        """Scheduler thread: pause per mode, write, bump the version, retire old namespaces."""
+    def _commit_now(self, apply: Callable[[], None], names: list[str], requested: str | None,
+                    pause_mode: str, commit: bool = True) -> dict:
+        """Scheduler thread: pause per mode, write, bump the version, retire old namespaces.
+        With commit=False, or while a stage is open, the write joins the stage instead."""
+        if not commit or self.stage is not None:
+            return self._stage_piece(apply, names, requested, pause_mode, commit)
+        version = self._next_version(requested)
         sched = self.scheduler
         start = time.perf_counter()
         self._apply_pause_mode(pause_mode)
@@ -263,6 +288,88 @@ class WeightManager:
             message += (f"; still incomplete: {len(self._damaged)} tensor(s) from the failed "
                         "update were not rewritten")
         return {"success": True, "message": message, "weight_version": version}
+
+
+    # staged updates (scheduler thread; see staging.py)
+
+    def _stage_piece(self, apply: Callable[[], None], names: list[str], requested: str | None,
+                     pause_mode: str, commit: bool) -> dict:
+        if self.stage is None:
+            self._apply_pause_mode(pause_mode)
+            self.stage = Stage(pause_mode, was_paused=self.scheduler.paused)
+            self.scheduler.paused = True
+        self.stage.add(names, requested)
+        try:
+            apply()
+        except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
+            self.runner.weights_changed()
+            return self.abort_stage(f"writing a staged piece failed: {exc}")
+        self.runner.weights_changed()
+        if commit:
+            return self.commit_stage(None)
+        return {"success": True, "weight_version": self.version,
+                "message": f"staged ({self.stage.describe()}); serving version "
+                           f"{self.version!r} until the commit"}
+
+    def commit_stage(self, weight_version: str | None) -> dict:
+        """One version for everything staged; generation resumes (unless the user paused)."""
+        stage = self.stage
+        if stage is None:
+            return {"success": True, "weight_version": self.version,
+                    "message": "no staged weight update to commit"}
+        version = self._next_version(self._prepare(weight_version or stage.weight_version,
+                                                   stage.pause_mode))
+        self.stage = None
+        self.version = version
+        self._damaged -= stage.written
+        if not self._damaged:
+            self.incomplete = None
+        self.scheduler.tree.retire_where(lambda ns: ns.weight_version != version)
+        self.scheduler.paused = stage.was_paused
+        return {"success": True, "weight_version": version,
+                "message": f"updated to version {version!r} ({stage.describe()})"}
+
+    def abort_stage(self, why: str = "the staged weight update was aborted") -> dict:
+        """Drop the stage. Tensors it wrote are half a version: generation is refused until a
+        complete update rewrites them."""
+        stage, self.stage = self.stage, None
+        if stage is None:
+            return {"success": True, "weight_version": self.version,
+                    "message": "no staged weight update to abort"}
+        if stage.written:
+            self._damaged |= stage.written
+            self.incomplete = f"{why} after writing {stage.describe()}"
+            self.scheduler.abort_running(self.incomplete)
+            self.scheduler.abort_waiting(self.incomplete)
+        self.scheduler.paused = stage.was_paused
+        return {"success": False, "weight_version": self.version,
+                "message": self.incomplete or why}
+
+    def relabel(self, new_version: str, abort_all: bool) -> dict:
+        """Scheduler thread: a new label for the same weights; old namespaces retire."""
+        if self.stage is not None:
+            return {"success": False, "message": "a staged weight update is open"}
+        if abort_all:
+            self.scheduler.abort_running("aborted: weight version relabelled")
+            self.scheduler.abort_waiting("aborted: weight version relabelled")
+        self.version = new_version
+        self.scheduler.tree.retire_where(lambda ns: ns.weight_version != new_version)
+        return {"success": True, "message": f"weight version is now {new_version!r}"}
+
+    # host copy across release_memory_occupation (enable_weights_cpu_backup)
+
+    def _copy_to_host(self) -> dict[str, torch.Tensor]:
+        return {name: slot.view.detach().to("cpu", copy=True)
+                for name, slot in self.runner.weight_map.items()}
+
+    def _restore_host_copy(self) -> None:
+        copy, self._host_copy = self._host_copy, None
+        if copy is None or self.runner.weights_released:
+            return
+        self._copy_in(copy.items())
+        self.runner.weights_changed()
+        self._damaged.clear()
+        self.incomplete = None
 
 
 def _as_int(version: str) -> int:

@@ -1,0 +1,179 @@
+"""hotswap.trainers_adapters in process: SGLang's Engine, vLLM's LLM, verl's rollout adapter and
+the group helpers, on one tiny random Llama engine."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+
+import pytest
+import torch
+from fixtures import write_tiny_chat_model
+
+from hotswap.engine import Engine
+from hotswap.trainers_adapters import sglang, verl
+from hotswap.trainers_adapters.groups import init_custom_process_group
+from hotswap.trainers_adapters.vllm import LLM, SamplingParams
+
+IDS = [5, 9, 33, 40, 7, 12]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = write_tiny_chat_model(str(tmp_path_factory.mktemp("adapters")))
+    with Engine(path, max_total_tokens=4096) as e:
+        yield e
+
+
+def moved(e: Engine, seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, s.view.detach() + 0.05 * torch.randn(s.view.shape, generator=gen))
+            for n, s in e.runner.weight_map.items()]
+
+
+def greedy_ids(e: Engine) -> list[int]:
+    return e.generate(None, GREEDY, IDS)["output_ids"]
+
+
+def test_sglang_engine_generate_in_sglang_order_and_shapes(engine):
+    sgl = sglang.Engine(engine=engine)
+    out = sgl.generate(None, {"max_new_tokens": 5, "sampling_seed": 3, "temperature": 1.0,
+                              "spaces_between_special_tokens": False}, IDS, return_logprob=True)
+    native = engine.generate(None, {"max_new_tokens": 5, "seed": 3, "temperature": 1.0}, IDS,
+                             return_logprob=True)
+    assert out["output_ids"] == native["output_ids"]
+    for (lp, tid, text), (nlp, ntid) in zip(out["meta_info"]["output_token_logprobs"],
+                                             native["meta_info"]["output_token_logprobs"]):
+        assert (lp, tid, text) == (nlp, ntid, None)
+    with pytest.raises(ValueError, match="image_data"):
+        sgl.generate(None, GREEDY, IDS, image_data=["x.png"])
+    with pytest.raises(ValueError, match="not supported by hotswap: bootstrap_host"):
+        sgl.generate(None, GREEDY, IDS, bootstrap_host="h")
+
+
+def test_sglang_no_stop_trim_keeps_the_stop_string(engine):
+    sgl = sglang.Engine(engine=engine)
+    text = engine.generate(None, {**GREEDY, "max_new_tokens": 24,
+                                  "skip_special_tokens": False}, IDS)["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the random model's greedy text has no usable stop string")
+    params = {"max_new_tokens": 24, "temperature": 0.0, "stop": stop, "skip_special_tokens": False}
+    trimmed = sgl.generate(None, dict(params), IDS)["text"]
+    kept = sgl.generate(None, {**params, "no_stop_trim": True}, IDS)["text"]
+    assert not trimmed.endswith(stop) or stop in trimmed[:-len(stop)]
+    assert kept == trimmed + stop
+
+
+def test_sglang_buckets_with_flush_cache_false_commit_once_at_flush(engine):
+    sgl = sglang.Engine(engine=engine)
+    start = int(engine.get_weight_version())
+    weights = moved(engine, seed=1)
+    for i in range(0, len(weights), 4):
+        ok, message = sgl.update_weights_from_tensor(weights[i:i + 4], flush_cache=False)
+        assert ok and "staged" in message
+        assert engine.get_weight_version() == str(start)
+    sgl.flush_cache()
+    assert engine.get_weight_version() == str(start + 1)
+    # The same weights as a slime FlattenedTensorBucket, in one committed call: no change.
+    before = greedy_ids(engine)
+    flat = torch.cat([t.reshape(-1) for _, t in weights])
+    metadata, offset = [], 0
+    for name, t in weights:
+        metadata.append({"name": name, "shape": t.shape, "dtype": t.dtype, "start_idx": offset,
+                         "end_idx": offset + t.numel(), "numel": t.numel()})
+        offset += t.numel()
+    ok, _ = sgl.update_weights_from_tensor({"flattened_tensor": flat, "metadata": metadata},
+                                           load_format="flattened_bucket")
+    assert ok and engine.get_weight_version() == str(start + 2)
+    assert greedy_ids(engine) == before
+
+
+def test_sglang_server_args_are_mapped_or_refused(tmp_path):
+    with pytest.raises(ValueError, match="enable_dp_attention"):
+        sglang.Engine(model_path=str(tmp_path), enable_dp_attention=True)
+    kwargs = sglang._engine_kwargs({"model_path": "m", "random_seed": 3, "log_level": "error",
+                                    "disable_radix_cache": True, "mem_fraction_static": 0.5})
+    assert kwargs == {"model_path": "m", "seed": 3, "enable_prefix_cache": False,
+                      "mem_fraction": 0.5}
+
+
+def test_vllm_llm_generate_with_token_prompts_and_load_weights(engine):
+    llm = LLM(engine=engine)
+    params = SamplingParams(n=2, temperature=1.0, top_k=0, max_tokens=4, logprobs=1, seed=9)
+    outs = llm.generate([{"prompt_token_ids": IDS}, {"prompt_token_ids": IDS[:3]}], params,
+                        use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [2, 2]
+    assert outs[0].prompt_token_ids == IDS
+    sample = outs[0].outputs[0]
+    assert len(sample.token_ids) == 4 and len(sample.logprobs) == 4
+    for tid, entry in zip(sample.token_ids, sample.logprobs):
+        assert tid in entry and 1 <= len(entry) <= 2  # the sampled token, plus the top 1
+    assert sample.finish_reason == "length"
+    start = int(engine.get_weight_version())
+    llm.load_weights(moved(engine, seed=2))
+    assert engine.get_weight_version() == str(start)
+    assert llm.reset_prefix_cache()
+    assert engine.get_weight_version() == str(start + 1)
+
+
+def test_verl_adapter_buckets_one_version_and_token_output(engine):
+    adapter = verl.HotswapServerAdapter(
+        config={"checkpoint_engine": {"update_weights_bucket_megabytes": 0.01}}, engine=engine)
+    adapter._bucket_bytes = lambda: 20_000  # several buckets for the tiny model
+    start = int(engine.get_weight_version())
+    weights = moved(engine, seed=3)
+
+    async def flow() -> object:
+        await adapter.update_weights(iter(weights))
+        return await adapter.generate(IDS, {"temperature": 0.0, "max_tokens": 5,
+                                            "logprobs": True}, request_id="r1")
+
+    out = asyncio.run(flow())
+    assert engine.get_weight_version() == str(start + 1)
+    assert out.token_ids == greedy_ids(engine)[:5] and len(out.log_probs) == 5
+    assert out.stop_reason == "completed"
+
+
+def test_verl_registers_only_when_importable():
+    assert verl.register() is (importlib.util.find_spec("verl") is not None)
+
+
+def test_group_helper_rejects_what_hotswap_cannot_join():
+    with pytest.raises(ValueError, match="init_method"):
+        init_custom_process_group(backend="gloo", init_method="env://", world_size=2, rank=0,
+                                  group_name="g")
+    with pytest.raises(ValueError, match="group_name"):
+        init_custom_process_group(backend="gloo", init_method="tcp://127.0.0.1:1",
+                                  world_size=2, rank=0)
+
+
+def test_verl_registry_entry_resolves_to_the_adapter(monkeypatch):
+    """With verl importable (a stand-in for its base module here), the adapter subclasses
+    BaseRollout and verl's registry lookup finds it under ("hotswap", "async")."""
+    import importlib
+    import types
+
+    base = types.ModuleType("verl.workers.rollout.base")
+
+    class BaseRollout:
+        pass
+
+    base.BaseRollout = BaseRollout
+    base._ROLLOUT_REGISTRY = {("sglang", "async"): "verl.workers.rollout.sglang_rollout.X"}
+    for name in ("verl", "verl.workers", "verl.workers.rollout"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "verl.workers.rollout.base", base)
+    try:
+        module = importlib.reload(verl)
+        fqdn = base._ROLLOUT_REGISTRY[("hotswap", "async")]
+        module_name, class_name = fqdn.rsplit(".", 1)  # verl's get_rollout_class
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert cls is module.HotswapServerAdapter and issubclass(cls, BaseRollout)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(verl)
+    if importlib.util.find_spec("verl") is None:
+        assert verl.HotswapServerAdapter.__mro__[1] is object
