@@ -20,6 +20,7 @@ from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
+from hotswap.engine.weights.prepared import PreparedUpdate
 from hotswap.engine.weights.weight_manager import WeightManager
 
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
@@ -50,6 +51,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.runner, self.outputs,
                                    lambda: self.weights.version)
         self.weights.attach(self.scheduler)
+        self.prepared = PreparedUpdate(self.weights)
         self.scheduler.start()
 
     def _eos_ids(self) -> set[int]:
@@ -306,6 +308,25 @@ class Engine:
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
+
+    # Two-phase updates for coordinators of several engines (WeightSender, Router): prepare
+    # receives and validates into staging while serving goes on; commit or abort follows.
+
+    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                         shapes: list[list[int]],
+                                         group_name: str = "weight_update_group",
+                                         load_format: str | None = None) -> dict:
+        return self.prepared.from_distributed(names, dtypes, shapes, group_name, load_format)
+
+    def prepare_weights_from_disk(self, model_path: str) -> dict:
+        return self.prepared.from_disk(model_path)
+
+    def commit_weights_update(self, weight_version: str | None = None,
+                              pause_mode: str = "retract") -> dict:
+        return self.prepared.commit(weight_version, pause_mode)
+
+    def abort_weights_update(self) -> dict:
+        return self.prepared.abort()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.weights.get_weights_by_name(name, truncate_size)

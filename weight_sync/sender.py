@@ -126,21 +126,60 @@ class WeightSender:
         pause_mode: str = "retract",
     ) -> list[dict]:
         """Returns every target's reply once all applied the update; raises WeightSyncError
-        naming each target that did not. Tensors travel in the trainer's dtypes."""
+        naming each target that did not. Tensors travel in the trainer's dtypes.
+
+        One target receives straight into its weights. Several targets update in two phases
+        (all receive and validate into staging, then all commit; on any failure all abort), so
+        they never end on different versions; each must have the engine's prepare/commit/abort
+        methods (Engine, RemoteEngine)."""
         check_load_format(load_format)
         tensors = _as_list(named_tensors)
         targets = list(targets)
         self._check_targets(targets)
+        if len(targets) > 1:
+            _check_two_phase(targets)
         self.connect(targets, tensors[0][1].device)
+        spec = dict(names=[n for n, _ in tensors],
+                    dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
+                    shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
+                    load_format=load_format)
+        if len(targets) > 1:
+            return self._send_two_phase(tensors, targets, spec, weight_version, pause_mode)
+        calls = [_Call(t.update_weights_from_distributed, **spec, weight_version=weight_version,
+                       flush_cache=flush_cache, pause_mode=pause_mode) for t in targets]
+        self._broadcast_to(calls, targets, tensors, load_format)
+        failures = _failures(calls, targets, self.timeout_s)
+        if failures:
+            raise WeightSyncError(f"update {weight_version!r} failed on {failures}", failures)
+        return [call.result for call in calls]
+
+    def _send_two_phase(self, tensors: list[tuple[str, torch.Tensor]], targets: list[Any],
+                        spec: dict[str, Any], weight_version: str | None,
+                        pause_mode: str) -> list[dict]:
+        calls = [_Call(t.prepare_weights_from_distributed, **spec) for t in targets]
+        try:
+            self._broadcast_to(calls, targets, tensors, spec["load_format"])
+        except WeightSyncError:
+            _abort_all(targets, self.timeout_s)
+            raise
+        failures = _failures(calls, targets, self.timeout_s)
+        if failures:
+            _abort_all(targets, self.timeout_s)
+            raise WeightSyncError(f"update {weight_version!r} failed on {failures}; no target "
+                                  "committed it", failures)
+        version = weight_version or agreed_version([c.result for c in calls])
+        commits = [_Call(t.commit_weights_update, weight_version=version, pause_mode=pause_mode)
+                   for t in targets]
+        failures = _failures(commits, targets, self.timeout_s)
+        if failures:
+            # Every target held the validated update; a commit fails only if a target died.
+            raise WeightSyncError(f"commit of version {version!r} failed on {failures} after "
+                                  "every target had prepared it; the others committed", failures)
+        return [call.result for call in commits]
+
+    def _broadcast_to(self, calls: list[_Call], targets: list[Any],
+                      tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
         assert self.group is not None
-        calls = [
-            _Call(t.update_weights_from_distributed, names=[n for n, _ in tensors],
-                  dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
-                  shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
-                  weight_version=weight_version, flush_cache=flush_cache,
-                  pause_mode=pause_mode, load_format=load_format)
-            for t in targets
-        ]
         try:
             self._broadcast(tensors, load_format)
         except Exception as err:
@@ -150,10 +189,6 @@ class WeightSender:
             self._destroy_targets(targets)
             raise WeightSyncError(f"broadcast failed: {err}; targets: {failures}",
                                   failures) from err
-        failures = _failures(calls, targets, self.timeout_s)
-        if failures:
-            raise WeightSyncError(f"update {weight_version!r} failed on {failures}", failures)
-        return [call.result for call in calls]
 
     def close(self, targets: Sequence[Any]) -> None:
         """Destroys the group on every target and here."""
@@ -232,6 +267,29 @@ def _as_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         dtype_to_str(tensor.dtype)
     return tensors
+
+
+_TWO_PHASE = ("prepare_weights_from_distributed", "commit_weights_update", "abort_weights_update")
+
+
+def _check_two_phase(targets: list[Any]) -> None:
+    for i, target in enumerate(targets):
+        missing = [m for m in _TWO_PHASE if not callable(getattr(target, m, None))]
+        if missing:
+            raise ValueError(f"target {i} ({target!r}) lacks {', '.join(missing)}: several "
+                             "targets update in two phases so that all or none commit")
+
+
+def agreed_version(replies: list[dict]) -> str:
+    """One version for every target of an update sent with weight_version=None: the highest
+    that any target proposed (numeric proposals compare as numbers)."""
+    proposed = [str(r.get("weight_version")) for r in replies]
+    return max(proposed, key=lambda v: (v.isdigit(), int(v) if v.isdigit() else 0, v))
+
+
+def _abort_all(targets: list[Any], timeout_s: float) -> dict[str, str]:
+    calls = [_Call(t.abort_weights_update) for t in targets]
+    return _failures(calls, targets, timeout_s)
 
 
 def _failures(calls: list[_Call], targets: list[Any], timeout_s: float) -> dict[str, str]:
