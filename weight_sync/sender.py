@@ -2,7 +2,8 @@
 
 A target is anything with the engine's weight methods (init_weights_update_group,
 update_weights_from_distributed, destroy_weights_update_group): an in-process Engine or a
-RemoteEngine over HTTP. Each target takes one rank: target i is rank 1 + i.
+RemoteEngine over HTTP. Each target takes one rank, or `target.weight_sync_ranks` consecutive
+ranks when it fronts several engines (a Router): target i starts after the ranks before it.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ class WeightSender:
         backend = resolve_backend(self.backend, device)
         calls = [
             _Call(t.init_weights_update_group, master_address=self.master_address,
-                  master_port=self.master_port, rank_offset=1 + i, world_size=self.world_size,
+                  master_port=self.master_port, rank_offset=offset, world_size=self.world_size,
                   group_name=self.group_name, backend=backend)
-            for i, t in enumerate(targets)
+            for offset, t in zip(_rank_offsets(targets), targets, strict=True)
         ]
         try:
             group = init_process_group(self.master_address, self.master_port, 0, self.world_size,
@@ -201,9 +202,11 @@ class WeightSender:
                                   failures)
 
     def _check_targets(self, targets: list[Any]) -> None:
-        if 1 + len(targets) != self.world_size:
-            raise ValueError(f"world_size {self.world_size} needs {self.world_size - 1} targets "
-                             f"(one rank each), got {len(targets)}")
+        ranks = sum(_ranks_of(t) for t in targets)
+        if 1 + ranks != self.world_size:
+            raise ValueError(f"world_size {self.world_size} needs targets holding "
+                             f"{self.world_size - 1} ranks, got {len(targets)} target(s) "
+                             f"holding {ranks}")
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
         assert self.group is not None
@@ -267,6 +270,18 @@ def _as_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         dtype_to_str(tensor.dtype)
     return tensors
+
+
+def _ranks_of(target: Any) -> int:
+    return int(getattr(target, "weight_sync_ranks", 1))
+
+
+def _rank_offsets(targets: list[Any]) -> list[int]:
+    offsets, next_rank = [], 1
+    for target in targets:
+        offsets.append(next_rank)
+        next_rank += _ranks_of(target)
+    return offsets
 
 
 _TWO_PHASE = ("prepare_weights_from_distributed", "commit_weights_update", "abort_weights_update")
