@@ -114,6 +114,8 @@ class EngineConfig:
     # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
     # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
     pack_weights: bool = True
+    tp_size: int = 1  # checked, and torchrun's environment read, in distributed/launch.py
+    launcher: str = "spawn"
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

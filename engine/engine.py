@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.request import Req
 from hotswap.engine.core.sampling_params import SamplingParams
+from hotswap.engine.distributed.launch import resolve_launch
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
@@ -42,6 +43,7 @@ class Engine:
             chunked_prefill_size=chunked_prefill_size, schedule_policy=schedule_policy,
             attention_backend=attention_backend, enable_prefix_cache=enable_prefix_cache,
             seed=seed, deterministic=deterministic, **kwargs).resolve(model_config)
+        self.config, self.launch = resolve_launch(self.config)
         self.model_config = model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.runner = _in_own_thread(lambda: ModelRunner(self.config, model_config))

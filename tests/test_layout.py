@@ -15,7 +15,7 @@ PACKAGES = {"engine": "hotswap.engine", "weight_sync": "hotswap.weight_sync",
 
 E = "hotswap.engine"
 _EXECUTOR_SIDE = (f"{E}.executor", f"{E}.attention", f"{E}.layers", f"{E}.models", f"{E}.lora",
-                  f"{E}.grammar")
+                  f"{E}.grammar", f"{E}.distributed")
 _BASE = (f"{E}.config", f"{E}.errors", f"{E}.core")
 # Area (longest matching prefix wins) -> the hotswap modules it may import (prefixes).
 ALLOWED: dict[str, tuple[str, ...]] = {
