@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.request import Req
 from hotswap.engine.core.sampling_params import SamplingParams
-from hotswap.engine.distributed.launch import resolve_launch
-from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.distributed.launch import make_runner, resolve_launch
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.prepared import PreparedUpdate
@@ -46,7 +45,7 @@ class Engine:
         self.config, self.launch = resolve_launch(self.config)
         self.model_config = model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.runner = _in_own_thread(lambda: ModelRunner(self.config, model_config))
+        self.runner = _in_own_thread(lambda: make_runner(self.config, model_config))
         self.weights = WeightManager(self.runner)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_ids(),
                                        self.config.context_length)
@@ -76,6 +75,8 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.weights.close()
+        if hasattr(self.runner, "shutdown"):  # tensor parallel: stop the worker processes
+            self.runner.shutdown()
 
     def generate(self, prompt: str | list[str] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
@@ -161,6 +162,7 @@ class Engine:
                        cache_salt: Any, rid: Any, stream: bool) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs."""
         self.weights.check_servable()
+        self.runner.check_alive()
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
         count = len(prompts)
         params = _per_prompt(sampling_params, count, "sampling_params", dict)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hotswap.engine.config import EngineConfig
+from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.executor.model_runner import ModelRunner
 
 LAUNCHERS = ("spawn", "torchrun")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -48,15 +49,24 @@ def resolve_launch(config: EngineConfig) -> tuple[EngineConfig, Launch]:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {config.launcher!r}")
     if not isinstance(config.tp_size, int) or config.tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {config.tp_size!r}")
-    if config.tp_size > 1:
-        raise ValueError(f"tp_size={config.tp_size}: tensor parallelism is not available in "
-                         "this build; use tp_size=1 (data parallel engines: torchrun or Router)")
+    if config.tp_size > 1 and config.launcher == "torchrun":
+        raise ValueError(f"tp_size={config.tp_size} with launcher='torchrun' is not available "
+                         "in this build: use tp_size=1 per rank, or launcher='spawn'")
     if config.launcher == "spawn":
         return config, Launch(tp_size=config.tp_size)
     launch = _torchrun_launch(config.tp_size)
     if config.device == "cuda":
         torch.cuda.set_device(launch.local_rank)
     return replace(config, seed=config.seed + launch.dp_rank), launch
+
+
+def make_runner(config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
+    """The Engine's model runner: tensor parallel (spawning its workers) when tp_size > 1."""
+    if config.tp_size == 1:
+        return ModelRunner(config, model_config)
+    from hotswap.engine.distributed.tp_runner import TPModelRunner
+
+    return TPModelRunner(config, model_config)
 
 
 def _torchrun_launch(tp_size: int) -> Launch:
