@@ -166,3 +166,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_tp3_equals_tp1(real_model_path):
+    """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
+    messages = [[{"role": "user", "content": q}] for q in
+                ("What is the capital of France?", "List three prime numbers.")]
+
+    def run(tp_size: int) -> list:
+        with Engine(real_model_path, device="cpu", max_total_tokens=4096,
+                    tp_size=tp_size) as engine:
+            outs = engine.generate(messages=messages, sampling_params=GREEDY,
+                                   return_logprob=True)
+        return [(o["output_ids"], torch.tensor([lp for lp, _ in
+                                                o["meta_info"]["output_token_logprobs"]]))
+                for o in outs]
+
+    _assert_same(run(3), run(1))
