@@ -46,8 +46,8 @@ def test_bad_launch_arguments_are_value_errors(monkeypatch):
         resolve_launch(_config(launcher="mpirun"))
     with pytest.raises(ValueError, match="tp_size must be a positive integer"):
         resolve_launch(_config(tp_size=0))
-    with pytest.raises(ValueError, match="tp_size=2: tensor parallelism is not available"):
-        resolve_launch(_config(tp_size=2))
+    with pytest.raises(ValueError, match="tp_size=2 with launcher='torchrun' is not available"):
+        resolve_launch(_config(tp_size=2, launcher="torchrun"))
 
 
 @pytest.mark.slow
