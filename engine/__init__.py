@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "RemoteEngine"]
+__all__ = ["Engine", "RemoteEngine", "Router"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from hotswap.engine.client.remote import RemoteEngine
 
         return RemoteEngine
+    if name == "Router":
+        from hotswap.engine.server.router import Router
+
+        return Router
     raise AttributeError(name)

@@ -117,6 +117,8 @@ class EngineConfig:
     # Keep a host copy of the weights across release_memory_occupation (SGLang's name): resume
     # then restores them, so a colocated trainer need not push weights before generating.
     enable_weights_cpu_backup: bool = False
+    tp_size: int = 1  # checked, and torchrun's environment read, in distributed/launch.py
+    launcher: str = "spawn"
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

@@ -17,9 +17,10 @@ from transformers import AutoTokenizer
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.request import Req
 from hotswap.engine.core.sampling_params import SamplingParams
-from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.distributed.launch import make_runner, resolve_launch
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
+from hotswap.engine.weights.prepared import PreparedUpdate
 from hotswap.engine.weights.weight_manager import WeightManager
 from hotswap.weight_sync.serialize import deserialize_named_tensors
 
@@ -42,15 +43,17 @@ class Engine:
             chunked_prefill_size=chunked_prefill_size, schedule_policy=schedule_policy,
             attention_backend=attention_backend, enable_prefix_cache=enable_prefix_cache,
             seed=seed, deterministic=deterministic, **kwargs).resolve(model_config)
+        self.config, self.launch = resolve_launch(self.config)
         self.model_config = model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.runner = _in_own_thread(lambda: ModelRunner(self.config, model_config))
+        self.runner = _in_own_thread(lambda: make_runner(self.config, model_config))
         self.weights = WeightManager(self.runner)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_ids(),
                                        self.config.context_length)
         self.scheduler = Scheduler(self.config, self.runner, self.outputs,
                                    lambda: self.weights.version)
         self.weights.attach(self.scheduler)
+        self.prepared = PreparedUpdate(self.weights)
         self.scheduler.start()
 
     def _eos_ids(self) -> set[int]:
@@ -73,6 +76,8 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.weights.close()
+        if hasattr(self.runner, "shutdown"):  # tensor parallel: stop the worker processes
+            self.runner.shutdown()
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None,
@@ -159,6 +164,7 @@ class Engine:
                        cache_salt: Any, rid: Any, stream: bool) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs."""
         self.weights.check_servable()
+        self.runner.check_alive()
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
         count = len(prompts)
         params = _per_prompt(sampling_params, count, "sampling_params", dict)
@@ -357,6 +363,25 @@ class Engine:
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
+
+    # Two-phase updates for coordinators of several engines (WeightSender, Router): prepare
+    # receives and validates into staging while serving goes on; commit or abort follows.
+
+    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                         shapes: list[list[int]],
+                                         group_name: str = "weight_update_group",
+                                         load_format: str | None = None) -> dict:
+        return self.prepared.from_distributed(names, dtypes, shapes, group_name, load_format)
+
+    def prepare_weights_from_disk(self, model_path: str) -> dict:
+        return self.prepared.from_disk(model_path)
+
+    def commit_weights_update(self, weight_version: str | None = None,
+                              pause_mode: str = "retract") -> dict:
+        return self.prepared.commit(weight_version, pause_mode)
+
+    def abort_weights_update(self) -> dict:
+        return self.prepared.abort()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.weights.get_weights_by_name(name, truncate_size)

@@ -5,11 +5,15 @@ from __future__ import annotations
 from hotswap.weight_sync.group import WeightSyncError
 
 __all__ = ["DownloadError", "FetchError", "RemoteEngineError", "WeightSyncError",
-           "WeightsIncompleteError"]
+           "WeightsIncompleteError", "WorkerDiedError"]
 
 
 class WeightsIncompleteError(RuntimeError):
     """Generation refused: an update failed after it had started overwriting weights."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process died: the engine refuses work until it is restarted."""
 
 
 class RemoteEngineError(RuntimeError):

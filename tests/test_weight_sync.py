@@ -59,9 +59,11 @@ def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 class FakeTarget:
-    """An engine stand-in: parameters, a version, and the engine's three weight-update methods.
+    """An engine stand-in: parameters, a version, the engine's weight-update methods and its
+    two-phase ones (prepare / commit / abort), which a sender with several targets uses.
 
-    direct: receive straight into the live parameters (into=); otherwise stage, then commit.
+    direct: one-phase updates receive straight into the live parameters (into=); otherwise
+    stage, then commit.
     fail_after: stop consuming after that many tensors and report failure.
     exit_after: kill this process after that many tensors (only in a child process).
     """
@@ -74,6 +76,9 @@ class FakeTarget:
         self.exit_after: int | None = None
         self.rank: int | None = None
         self.received: list[str] = []
+        self.prepared: dict[str, torch.Tensor] | None = None
+        self.proposal = "1"  # the version prepare proposes for weight_version=None
+        self.aborts = 0
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name, backend):
@@ -84,27 +89,54 @@ class FakeTarget:
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version,
                                         flush_cache, pause_mode, load_format):
+        staged = self._receive(names, dtypes, shapes, group_name, load_format, self.direct)
+        if isinstance(staged, str):
+            return self._reply(False, staged)
+        self._apply(staged, weight_version)
+        return self._reply(True, "")
+
+    def prepare_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format):
+        staged = self._receive(names, dtypes, shapes, group_name, load_format, False)
+        if isinstance(staged, str):
+            return self._reply(False, staged)
+        self.prepared = staged
+        return {"success": True, "message": "", "weight_version": self.proposal}
+
+    def commit_weights_update(self, weight_version, pause_mode):
+        self._apply(self.prepared, weight_version)
+        self.prepared = None
+        return self._reply(True, "")
+
+    def abort_weights_update(self):
+        self.prepared = None
+        self.aborts += 1
+        return self._reply(True, "")
+
+    def _receive(self, names, dtypes, shapes, group_name, load_format, direct):
+        """The received tensors, or why the update was refused."""
         group = get_group(group_name, self.rank)
         bad = [n for n, d, s in zip(names, dtypes, shapes, strict=True)
                if n not in self.params or self.params[n].dtype != str_to_dtype(d)
                or list(self.params[n].shape) != list(s)]
         if bad:
             discard_tensors(group, names, dtypes, shapes, load_format)
-            return self._reply(False, f"mismatched: {bad}")
-        into = self.params if self.direct else None
+            return f"mismatched: {bad}"
+        into = self.params if direct else None
         staged = {}
         with contextlib.closing(receive_tensors(group, names, dtypes, shapes, load_format,
                                                 into=into)) as tensors:
             for name, tensor in tensors:
                 if len(staged) == self.fail_after:
-                    return self._reply(False, "failed mid-update")
+                    return "failed mid-update"
                 if len(staged) == self.exit_after:
                     os._exit(3)
-                staged[name] = tensor if self.direct else tensor.clone()
+                staged[name] = tensor if direct else tensor.clone()
+        return staged
+
+    def _apply(self, staged, weight_version):
         self.received = list(staged)
         self.params.update(staged)
         self.version = weight_version
-        return self._reply(True, "")
 
     def destroy_weights_update_group(self, group_name):
         destroy_group(group_name, self.rank)
@@ -196,10 +228,8 @@ def test_flatten_unflatten_round_trip_with_views():
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
-@pytest.mark.parametrize("direct", [False, True])
-def test_send_mixed_dtypes_to_two_targets(port, load_format, direct):
-    targets = [FakeTarget(make_params(0), direct=direct), FakeTarget(make_params(0))]
-    live = targets[0].params["embed.weight"]
+def test_send_mixed_dtypes_to_two_targets(port, load_format):
+    targets = [FakeTarget(make_params(0)), FakeTarget(make_params(0))]
     sender = WeightSender("127.0.0.1", port, world_size=3, group_name="g", bucket_bytes=96,
                           timeout_s=TIMEOUT_S)
     new = make_params(1)
@@ -209,8 +239,6 @@ def test_send_mixed_dtypes_to_two_targets(port, load_format, direct):
         for target in targets:
             assert_same(target.params, new)
             assert target.received == list(new)
-        if direct and load_format is None:  # broadcast straight into the live storage
-            assert targets[0].params["embed.weight"].data_ptr() == live.data_ptr()
         newer = make_params(2)
         sender.send(list(newer.items()), targets, weight_version="v2", load_format=load_format)
         assert all(t.version == "v2" for t in targets)
@@ -219,7 +247,22 @@ def test_send_mixed_dtypes_to_two_targets(port, load_format, direct):
         sender.close(targets)
 
 
-def test_rejecting_or_failing_target_is_reported_and_group_stays_usable(port):
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_one_direct_target_receives_into_its_live_parameters(port, load_format):
+    target = FakeTarget(make_params(0), direct=True)
+    live = target.params["embed.weight"]
+    sender = WeightSender("127.0.0.1", port, world_size=2, bucket_bytes=96, timeout_s=TIMEOUT_S)
+    new = make_params(1)
+    try:
+        sender.send(new, [target], weight_version="v1", load_format=load_format)
+        assert_same(target.params, new)
+        if load_format is None:  # broadcast straight into the live storage
+            assert target.params["embed.weight"].data_ptr() == live.data_ptr()
+    finally:
+        sender.close([target])
+
+
+def test_rejecting_or_failing_target_leaves_every_target_on_its_version(port):
     good, bad = FakeTarget(make_params(0)), FakeTarget(make_params(0))
     bad.params["lm_head.weight"] = torch.zeros(3, 3)
     sender = WeightSender("127.0.0.1", port, 3, timeout_s=TIMEOUT_S)
@@ -229,9 +272,11 @@ def test_rejecting_or_failing_target_is_reported_and_group_stays_usable(port):
         with pytest.raises(WeightSyncError) as info:
             sender.send(new, [good, bad], weight_version="v1")
         assert list(info.value.failures) == [f"target 1 ({bad!r})"]
-        assert "lm_head.weight" in str(info.value)
+        assert "lm_head.weight" in str(info.value) and "no target committed" in str(info.value)
         assert time.monotonic() - start < TIMEOUT_S / 2  # the rejecting target drained
-        assert bad.version == "v0" and good.version == "v1"
+        assert bad.version == good.version == "v0"
+        assert_same(good.params, make_params(0))
+        assert good.aborts == bad.aborts == 1 and good.prepared is None
 
         bad.params["lm_head.weight"] = torch.zeros(16, 8)
         bad.fail_after = 2
@@ -239,7 +284,7 @@ def test_rejecting_or_failing_target_is_reported_and_group_stays_usable(port):
         with pytest.raises(WeightSyncError, match="failed mid-update"):
             sender.send(new, [good, bad], weight_version="v2", load_format=None)
         assert time.monotonic() - start < TIMEOUT_S / 2  # closing the receive drained the rest
-        assert bad.version == "v0" and sender.connected
+        assert bad.version == good.version == "v0" and sender.connected
 
         bad.fail_after = None
         sender.send(new, [good, bad], weight_version="v3")
@@ -247,6 +292,30 @@ def test_rejecting_or_failing_target_is_reported_and_group_stays_usable(port):
         assert_same(bad.params, new)
     finally:
         sender.close([good, bad])
+
+
+def test_targets_agree_on_one_auto_version(port):
+    """weight_version=None: targets whose own counters differ still commit the same version."""
+    behind, ahead = FakeTarget(make_params(0)), FakeTarget(make_params(0))
+    behind.proposal, ahead.proposal = "3", "12"
+    sender = WeightSender("127.0.0.1", port, 3, timeout_s=TIMEOUT_S)
+    try:
+        replies = sender.send(make_params(1), [behind, ahead])
+        assert [r["weight_version"] for r in replies] == ["12", "12"]
+        assert behind.version == ahead.version == "12"
+    finally:
+        sender.close([behind, ahead])
+
+
+def test_several_targets_without_two_phase_methods_are_refused(port):
+    class OnePhase:
+        init_weights_update_group = FakeTarget.init_weights_update_group
+        update_weights_from_distributed = FakeTarget.update_weights_from_distributed
+
+    sender = WeightSender("127.0.0.1", port, 3, timeout_s=TIMEOUT_S)
+    with pytest.raises(ValueError, match="target 1 .* lacks prepare_weights_from_distributed"):
+        sender.send(make_params(1), [FakeTarget(make_params(0)), OnePhase()])
+    assert not sender.connected
 
 
 def test_close_destroys_both_sides_and_the_name_can_be_reused(port):

@@ -2,7 +2,8 @@
 
 A target is anything with the engine's weight methods (init_weights_update_group,
 update_weights_from_distributed, destroy_weights_update_group): an in-process Engine or a
-RemoteEngine over HTTP. Each target takes one rank: target i is rank 1 + i.
+RemoteEngine over HTTP. Each target takes one rank, or `target.weight_sync_ranks` consecutive
+ranks when it fronts several engines (a Router): target i starts after the ranks before it.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ class WeightSender:
         backend = resolve_backend(self.backend, device)
         calls = [
             _Call(t.init_weights_update_group, master_address=self.master_address,
-                  master_port=self.master_port, rank_offset=1 + i, world_size=self.world_size,
+                  master_port=self.master_port, rank_offset=offset, world_size=self.world_size,
                   group_name=self.group_name, backend=backend)
-            for i, t in enumerate(targets)
+            for offset, t in zip(_rank_offsets(targets), targets, strict=True)
         ]
         try:
             group = init_process_group(self.master_address, self.master_port, 0, self.world_size,
@@ -126,21 +127,60 @@ class WeightSender:
         pause_mode: str = "retract",
     ) -> list[dict]:
         """Returns every target's reply once all applied the update; raises WeightSyncError
-        naming each target that did not. Tensors travel in the trainer's dtypes."""
+        naming each target that did not. Tensors travel in the trainer's dtypes.
+
+        One target receives straight into its weights. Several targets update in two phases
+        (all receive and validate into staging, then all commit; on any failure all abort), so
+        they never end on different versions; each must have the engine's prepare/commit/abort
+        methods (Engine, RemoteEngine)."""
         check_load_format(load_format)
         tensors = _as_list(named_tensors)
         targets = list(targets)
         self._check_targets(targets)
+        if len(targets) > 1:
+            _check_two_phase(targets)
         self.connect(targets, tensors[0][1].device)
+        spec = dict(names=[n for n, _ in tensors],
+                    dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
+                    shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
+                    load_format=load_format)
+        if len(targets) > 1:
+            return self._send_two_phase(tensors, targets, spec, weight_version, pause_mode)
+        calls = [_Call(t.update_weights_from_distributed, **spec, weight_version=weight_version,
+                       flush_cache=flush_cache, pause_mode=pause_mode) for t in targets]
+        self._broadcast_to(calls, targets, tensors, load_format)
+        failures = _failures(calls, targets, self.timeout_s)
+        if failures:
+            raise WeightSyncError(f"update {weight_version!r} failed on {failures}", failures)
+        return [call.result for call in calls]
+
+    def _send_two_phase(self, tensors: list[tuple[str, torch.Tensor]], targets: list[Any],
+                        spec: dict[str, Any], weight_version: str | None,
+                        pause_mode: str) -> list[dict]:
+        calls = [_Call(t.prepare_weights_from_distributed, **spec) for t in targets]
+        try:
+            self._broadcast_to(calls, targets, tensors, spec["load_format"])
+        except WeightSyncError:
+            _abort_all(targets, self.timeout_s)
+            raise
+        failures = _failures(calls, targets, self.timeout_s)
+        if failures:
+            _abort_all(targets, self.timeout_s)
+            raise WeightSyncError(f"update {weight_version!r} failed on {failures}; no target "
+                                  "committed it", failures)
+        version = weight_version or agreed_version([c.result for c in calls])
+        commits = [_Call(t.commit_weights_update, weight_version=version, pause_mode=pause_mode)
+                   for t in targets]
+        failures = _failures(commits, targets, self.timeout_s)
+        if failures:
+            # Every target held the validated update; a commit fails only if a target died.
+            raise WeightSyncError(f"commit of version {version!r} failed on {failures} after "
+                                  "every target had prepared it; the others committed", failures)
+        return [call.result for call in commits]
+
+    def _broadcast_to(self, calls: list[_Call], targets: list[Any],
+                      tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
         assert self.group is not None
-        calls = [
-            _Call(t.update_weights_from_distributed, names=[n for n, _ in tensors],
-                  dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
-                  shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
-                  weight_version=weight_version, flush_cache=flush_cache,
-                  pause_mode=pause_mode, load_format=load_format)
-            for t in targets
-        ]
         try:
             self._broadcast(tensors, load_format)
         except Exception as err:
@@ -150,10 +190,6 @@ class WeightSender:
             self._destroy_targets(targets)
             raise WeightSyncError(f"broadcast failed: {err}; targets: {failures}",
                                   failures) from err
-        failures = _failures(calls, targets, self.timeout_s)
-        if failures:
-            raise WeightSyncError(f"update {weight_version!r} failed on {failures}", failures)
-        return [call.result for call in calls]
 
     def close(self, targets: Sequence[Any]) -> None:
         """Destroys the group on every target and here."""
@@ -166,9 +202,11 @@ class WeightSender:
                                   failures)
 
     def _check_targets(self, targets: list[Any]) -> None:
-        if 1 + len(targets) != self.world_size:
-            raise ValueError(f"world_size {self.world_size} needs {self.world_size - 1} targets "
-                             f"(one rank each), got {len(targets)}")
+        ranks = sum(_ranks_of(t) for t in targets)
+        if 1 + ranks != self.world_size:
+            raise ValueError(f"world_size {self.world_size} needs targets holding "
+                             f"{self.world_size - 1} ranks, got {len(targets)} target(s) "
+                             f"holding {ranks}")
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
         assert self.group is not None
@@ -232,6 +270,41 @@ def _as_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         dtype_to_str(tensor.dtype)
     return tensors
+
+
+def _ranks_of(target: Any) -> int:
+    return int(getattr(target, "weight_sync_ranks", 1))
+
+
+def _rank_offsets(targets: list[Any]) -> list[int]:
+    offsets, next_rank = [], 1
+    for target in targets:
+        offsets.append(next_rank)
+        next_rank += _ranks_of(target)
+    return offsets
+
+
+_TWO_PHASE = ("prepare_weights_from_distributed", "commit_weights_update", "abort_weights_update")
+
+
+def _check_two_phase(targets: list[Any]) -> None:
+    for i, target in enumerate(targets):
+        missing = [m for m in _TWO_PHASE if not callable(getattr(target, m, None))]
+        if missing:
+            raise ValueError(f"target {i} ({target!r}) lacks {', '.join(missing)}: several "
+                             "targets update in two phases so that all or none commit")
+
+
+def agreed_version(replies: list[dict]) -> str:
+    """One version for every target of an update sent with weight_version=None: the highest
+    that any target proposed (numeric proposals compare as numbers)."""
+    proposed = [str(r.get("weight_version")) for r in replies]
+    return max(proposed, key=lambda v: (v.isdigit(), int(v) if v.isdigit() else 0, v))
+
+
+def _abort_all(targets: list[Any], timeout_s: float) -> dict[str, str]:
+    calls = [_Call(t.abort_weights_update) for t in targets]
+    return _failures(calls, targets, timeout_s)
 
 
 def _failures(calls: list[_Call], targets: list[Any], timeout_s: float) -> dict[str, str]:

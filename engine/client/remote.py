@@ -192,6 +192,25 @@ class RemoteEngine:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._post_control("/destroy_weights_update_group", group_name=group_name)
 
+    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                         shapes: list[list[int]],
+                                         group_name: str = "weight_update_group",
+                                         load_format: str | None = None) -> dict:
+        return self._post_control(
+            "/prepare_weights_from_distributed", names=list(names), dtypes=list(dtypes),
+            shapes=[list(s) for s in shapes], group_name=group_name, load_format=load_format)
+
+    def prepare_weights_from_disk(self, model_path: str) -> dict:
+        return self._post_control("/prepare_weights_from_disk", model_path=model_path)
+
+    def commit_weights_update(self, weight_version: str | None = None,
+                              pause_mode: str = "retract") -> dict:
+        return self._post_control("/commit_weights_update", weight_version=weight_version,
+                                  pause_mode=pause_mode)
+
+    def abort_weights_update(self) -> dict:
+        return self._post_control("/abort_weights_update")
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._post_control("/get_weights_by_name", name=name, truncate_size=truncate_size)
 

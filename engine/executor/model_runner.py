@@ -33,7 +33,7 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device).to(self.dtype)
         self.model.eval().requires_grad_(False)
         self._flatten_parameters()
-        load_checkpoint(self.model, config.model_path)
+        self._load_weights()
         self.weight_map = self.model.hf_weight_map()
         # Packed weights (layers/linear.py) are rebuilt before the first forward that follows
         # a change: every write to the weights calls weights_changed().
@@ -56,6 +56,12 @@ class ModelRunner:
         self.attn_backend = backend_cls(
             self.kv_pool, self.req_to_token_pool.req_to_token, model_config.num_heads,
             model_config.num_kv_heads, model_config.head_dim, model_config.head_dim ** -0.5)
+
+    def _load_weights(self) -> None:
+        load_checkpoint(self.model, self.config.model_path)
+
+    def check_alive(self) -> None:
+        """Raises when the runner cannot run forwards any more (a tensor-parallel worker died)."""
 
     def _flatten_parameters(self) -> None:
         """Lay every parameter out in one buffer, in HF module order.

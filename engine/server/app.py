@@ -29,6 +29,7 @@ from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.server.control_api import control, control_paths, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job
+from hotswap.engine.server.prepared_routes import prepared_routes
 from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from hotswap.engine.server.serving import (
     CLIENT_GONE,
@@ -192,6 +193,8 @@ def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = 
         routers.append(memory_routes)
     if hasattr(engine, "load_lora_adapter"):
         routers.append(lora_routes)
+    if hasattr(engine, "commit_weights_update"):
+        routers.append(prepared_routes)
     for router in routers:
         app.include_router(router)
     _install_error_handlers(app)
@@ -201,7 +204,8 @@ def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = 
                        max_body_bytes=max_body_bytes,
                        count=lambda route, status: state.metrics.requests.labels(
                            route, str(status)).inc(), routes=routes,
-                       control_paths=control_paths() | {r.path for r in sglang_control.routes})
+                       control_paths=control_paths() | {
+                           r.path for r in (*sglang_control.routes, *prepared_routes.routes)})
     return app
 
 

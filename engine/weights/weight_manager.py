@@ -236,6 +236,23 @@ class WeightManager:
 
         return self._commit(apply, list(names), version, pause_mode, commit)
 
+    # two-phase updates (engine/weights/prepared.py) reuse these checks
+
+    def group(self, group_name: str) -> ws_group.WeightGroup:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}; "
+                             "call init_weights_update_group first")
+        return group
+
+    def validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+                 complete: bool) -> None:
+        self._validate(meta, complete)
+
+    def proposed_version(self) -> str:
+        """The version an update with weight_version=None would get now (not reserved)."""
+        return str(_as_int(self.version) + 1)
+
     def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in named:

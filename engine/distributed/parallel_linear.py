@@ -1,0 +1,36 @@
+"""Row-parallel projection: each rank multiplies its input columns, then the partial sums are
+all-reduced. Wraps the model's own Linear, so weight maps, packing and LoRA see it unchanged."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class AllReducer(Protocol):
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+
+class RowParallel(nn.Module):
+    def __init__(self, inner: nn.Module, group: AllReducer):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x).contiguous()
+        self.group.all_reduce(out)
+        return out
+
+
+def make_row_parallel(model: nn.Module, group: AllReducer) -> None:
+    """Wraps every layer's o_proj and down_proj (their inputs are split over the ranks)."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)

@@ -1,0 +1,87 @@
+"""Tensor-parallel sharding of the Llama family: which slice of each HF tensor a rank holds.
+
+Rank r of N holds attention heads [r*H/N, (r+1)*H/N) with their KV heads (split when N divides
+the KV heads, replicated when N is a multiple of them), MLP columns [r*I/N, (r+1)*I/N) of
+gate/up and the matching rows of down's input, and o_proj's input columns of its heads
+(row-parallel: partial sums, all-reduced). Embedding, norms and lm_head are replicated. A rank's
+model is then the ordinary model built from `shard_config` (fewer heads, a narrower MLP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from hotswap.engine.config import ModelConfig
+
+
+def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError naming the numbers when the model does not split over tp_size ranks."""
+    if cfg.num_heads % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide the {cfg.num_heads} attention heads")
+    kv = cfg.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"tp_size {tp_size} neither divides the {kv} KV heads nor is a "
+                         "multiple of them")
+    if cfg.intermediate_size % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide the MLP intermediate size "
+                         f"{cfg.intermediate_size}")
+
+
+def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """What one rank's model looks like (the same for every rank)."""
+    check_tp(cfg, tp_size)
+    return replace(cfg, num_heads=cfg.num_heads // tp_size,
+                   num_kv_heads=max(1, cfg.num_kv_heads // tp_size),
+                   intermediate_size=cfg.intermediate_size // tp_size)
+
+
+def shard_tensor(name: str, full: torch.Tensor, cfg: ModelConfig, tp_rank: int,
+                 tp_size: int) -> torch.Tensor:
+    """Rank tp_rank's part of the full HF tensor `name` (a view where possible)."""
+    hd = cfg.head_dim
+    part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if part == "q_proj":
+        return _rows(full, tp_rank * cfg.num_heads // tp_size * hd, cfg.num_heads // tp_size * hd)
+    if part in ("k_proj", "v_proj"):
+        heads = max(1, cfg.num_kv_heads // tp_size)
+        return _rows(full, kv_head_of(cfg, tp_rank, tp_size) * hd, heads * hd)
+    if part == "o_proj":
+        width = cfg.num_heads // tp_size * hd
+        return full[:, tp_rank * width:(tp_rank + 1) * width]
+    if part in ("gate_proj", "up_proj"):
+        size = cfg.intermediate_size // tp_size
+        return _rows(full, tp_rank * size, size)
+    if part == "down_proj":
+        size = cfg.intermediate_size // tp_size
+        return full[:, tp_rank * size:(tp_rank + 1) * size]
+    return full
+
+
+def kv_head_of(cfg: ModelConfig, tp_rank: int, tp_size: int) -> int:
+    """The first KV head rank tp_rank holds (its query heads' group when KV is replicated)."""
+    kv = cfg.num_kv_heads
+    if kv >= tp_size:
+        return tp_rank * (kv // tp_size)
+    return tp_rank // (tp_size // kv)
+
+
+def unshard(name: str, shards: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The full tensor from every rank's shard (rank order); inverse of shard_tensor."""
+    tp_size = len(shards)
+    part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if part in ("o_proj", "down_proj"):
+        return torch.cat(shards, dim=1)
+    if part in ("q_proj", "gate_proj", "up_proj"):
+        return torch.cat(shards, dim=0)
+    if part in ("k_proj", "v_proj"):
+        if cfg.num_kv_heads >= tp_size:
+            return torch.cat(shards, dim=0)
+        step = tp_size // cfg.num_kv_heads  # replicas: one per group of ranks
+        return torch.cat(shards[::step], dim=0)
+    return shards[0]
+
+
+def _rows(full: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return full[start:start + size]

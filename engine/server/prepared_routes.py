@@ -1,0 +1,59 @@
+"""Control routes of two-phase weight updates: prepare (receive + validate), commit, abort.
+
+A coordinator of several servers (a WeightSender with several RemoteEngine targets, the Router)
+prepares every server first and commits only when all prepared, so none ends on another version.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from hotswap.engine.server.control_api import _update
+from hotswap.engine.server.protocol import Body, Int, PauseMode
+from hotswap.engine.server.serving import State, blocking
+
+prepared_routes = APIRouter()
+
+
+class PrepareFromDistributedRequest(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[Int]]
+    group_name: str = "weight_update_group"
+    load_format: Literal["flattened_bucket"] | None = None
+
+
+class PrepareFromDiskRequest(Body):
+    model_path: str
+
+
+class CommitRequest(Body):
+    weight_version: str | None = None
+    pause_mode: PauseMode = "retract"
+
+
+@prepared_routes.post("/prepare_weights_from_distributed")
+async def prepare_weights_from_distributed(state: State,
+                                           body: PrepareFromDistributedRequest) -> Response:
+    return await blocking(state.engine.prepare_weights_from_distributed, **body.model_dump())
+
+
+@prepared_routes.post("/prepare_weights_from_disk")
+async def prepare_weights_from_disk(state: State, body: PrepareFromDiskRequest) -> Response:
+    return await blocking(state.engine.prepare_weights_from_disk, body.model_path)
+
+
+@prepared_routes.post("/commit_weights_update")
+async def commit_weights_update(state: State, body: CommitRequest | None = None) -> Response:
+    body = body or CommitRequest()
+    return await _update(state, "prepared", state.engine.commit_weights_update,
+                         **body.model_dump())
+
+
+@prepared_routes.post("/abort_weights_update")
+async def abort_weights_update(state: State) -> Response:
+    return await blocking(state.engine.abort_weights_update)
+

@@ -1,0 +1,95 @@
+"""Two-phase weight updates: prepare (receive + validate into staging), then commit or abort.
+
+A coordinator that updates several engines (a WeightSender with several targets, the Router)
+must not leave them on different versions. Phase one, `prepare`, receives and validates the
+whole update into a staging copy while the engine keeps serving the old weights; only when
+every engine has prepared does the coordinator send `commit` (a normal update transaction from
+the staged tensors), otherwise `abort` everywhere. The cost is one extra copy of the update in
+memory between the two phases.
+
+This is not the "staged update" that gathers several update calls into one version; it holds
+exactly one prepared update, and a new prepare replaces an older one that was never committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hotswap.engine.models.loader import iter_checkpoint, read_checkpoint_meta
+from hotswap.weight_sync.bucket import str_to_dtype
+from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
+
+if TYPE_CHECKING:
+    from hotswap.engine.weights.weight_manager import WeightManager
+
+
+class PreparedUpdate:
+    """At most one received-and-validated update, waiting for commit or abort."""
+
+    def __init__(self, weights: WeightManager):
+        self.weights = weights
+        self._lock = threading.Lock()
+        self._tensors: list[tuple[str, torch.Tensor]] | None = None
+        self._source = ""
+
+    @property
+    def pending(self) -> bool:
+        return self._tensors is not None
+
+    def from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]], group_name: str,
+                         load_format: str | None) -> dict:
+        group = self.weights.group(group_name)
+        check_load_format(load_format)
+        try:
+            if not (len(names) == len(dtypes) == len(shapes)):
+                raise ValueError("names, dtypes and shapes must have the same length")
+            if len(set(names)) != len(names):
+                raise ValueError("names repeats a name")
+            meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
+            self.weights.validate(meta, complete=False)
+        except ValueError:
+            # Take part in the broadcast anyway, so the sender and the other targets finish.
+            discard_tensors(group, names, dtypes, shapes, load_format)
+            raise
+        # Bucketed receives yield views into fresh per-bucket buffers: keeping them is no copy.
+        received = list(receive_tensors(group, names, dtypes, shapes, load_format,
+                                        device=self.weights.runner.device))
+        return self._stage(received, f"{len(received)} tensor(s) from group {group_name!r}")
+
+    def from_disk(self, model_path: str) -> dict:
+        self.weights.validate(read_checkpoint_meta(model_path), complete=True)
+        known = self.weights.runner.weight_map  # validation passed: the rest are ignored buffers
+        tensors = [(n, t) for n, t in iter_checkpoint(model_path) if n in known]
+        return self._stage(tensors, f"checkpoint {model_path!r}")
+
+    def _stage(self, tensors: list[tuple[str, torch.Tensor]], source: str) -> dict:
+        with self._lock:
+            self._tensors, self._source = tensors, source
+        return {"success": True, "message": f"prepared {source}",
+                "weight_version": self.weights.proposed_version()}
+
+    def commit(self, weight_version: str | None, pause_mode: str) -> dict:
+        """Applies the prepared update as one transaction; nothing prepared is a ValueError."""
+        with self._lock:
+            tensors, self._tensors = self._tensors, None
+        if tensors is None:
+            raise ValueError("no prepared weight update to commit; call a prepare method first")
+        return self.weights.update_from_tensor(tensors, weight_version, pause_mode)
+
+    def abort(self) -> dict:
+        with self._lock:
+            had, self._tensors = self._tensors is not None, None
+        message = f"dropped the prepared {self._source}" if had else "nothing was prepared"
+        return {"success": True, "message": message, "weight_version": self.weights.version}
+
+
+def _dtype_or_none(name: str) -> torch.dtype | None:
+    try:
+        return str_to_dtype(name)
+    except (ValueError, TypeError, KeyError):
+        return None

@@ -1,0 +1,186 @@
+"""Tensor parallelism: Engine(tp_size=2) against tp_size=1 (greedy tokens equal, logprobs within
+1e-4 in fp32), weight updates under TP against a fresh engine, and a killed worker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+
+import pytest
+import torch
+from conftest import write_tiny_model
+from fixtures import write_tiny_chat_model
+from safetensors.torch import load_file
+
+from hotswap.engine import Engine
+from hotswap.engine.config import ModelConfig
+from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
+from hotswap.engine.errors import WorkerDiedError
+from hotswap.weight_sync import WeightSender
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 20, 21]]
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
+
+
+def _cfg(**overrides) -> ModelConfig:
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=64)
+    return ModelConfig.from_dict({**base, **overrides})
+
+
+def _run(engine: Engine) -> list[tuple[list[int], torch.Tensor]]:
+    engine.flush_cache()
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    return [(o["output_ids"], torch.tensor([lp for lp, _ in
+                                            o["meta_info"]["output_token_logprobs"]]))
+            for o in outs]
+
+
+def _assert_same(got: list, want: list) -> None:
+    for (ids, lps), (want_ids, want_lps) in zip(got, want, strict=True):
+        assert ids == want_ids
+        assert torch.allclose(lps, want_lps, atol=1e-4, rtol=0)
+
+
+def _engine(path: str, tp_size: int = 1) -> Engine:
+    return Engine(path, device="cpu", max_total_tokens=2048, tp_size=tp_size)
+
+
+def test_sizes_that_do_not_split_are_value_errors_naming_the_numbers():
+    with pytest.raises(ValueError, match="tp_size 3 does not divide the 4 attention heads"):
+        shard_config(_cfg(), 3)
+    with pytest.raises(ValueError, match="tp_size 4 neither divides the 3 KV heads"):
+        shard_config(_cfg(num_attention_heads=12, num_key_value_heads=3), 4)
+    local = shard_config(_cfg(num_attention_heads=9, num_key_value_heads=3,
+                              intermediate_size=1536, hidden_size=576), 3)  # SmolLM2-135M
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 512)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # split over 2 ranks, replicated on 2 ranks
+def test_shards_reassemble(kv_heads):
+    cfg = _cfg(num_key_value_heads=kv_heads)
+    hd = cfg.head_dim
+    full = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4 * hd, 64),
+            "model.layers.0.self_attn.k_proj.weight": torch.randn(kv_heads * hd, 64),
+            "model.layers.0.self_attn.o_proj.weight": torch.randn(64, 4 * hd),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64),
+            "model.layers.0.mlp.down_proj.weight": torch.randn(64, 128),
+            "model.norm.weight": torch.randn(64)}
+    for name, tensor in full.items():
+        shards = [shard_tensor(name, tensor, cfg, r, 2) for r in range(2)]
+        assert torch.equal(unshard(name, shards, cfg), tensor), name
+    k = "model.layers.0.self_attn.k_proj.weight"
+    if kv_heads == 1:  # both ranks' query heads read the one KV head
+        assert torch.equal(shard_tensor(k, full[k], cfg, 1, 2), full[k])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    a = write_tiny_chat_model(str(root / "a"), seed=0)
+    b = write_tiny_chat_model(str(root / "b"), seed=1)
+    # Qwen2 (q/k/v bias, tied embeddings) with one KV head: replicated on both ranks.
+    qwen = write_tiny_model(str(root / "qwen"), "qwen2", seed=3, num_key_value_heads=1,
+                            vocab_size=load_file(f"{a}/model.safetensors")[
+                                "model.embed_tokens.weight"].shape[0])
+    for name in os.listdir(a):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(a, name), os.path.join(qwen, name))
+    return {"a": a, "b": b, "qwen": qwen}
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1_and_updates_equal_a_fresh_engine(models):
+    with _engine(models["a"]) as one:
+        want_a = _run(one)
+        name = "model.layers.1.mlp.down_proj.weight"
+        full = torch.tensor(one.get_weights_by_name(name, truncate_size=1 << 20))
+    with _engine(models["b"]) as fresh_b:
+        want_b = _run(fresh_b)
+    with _engine(models["a"], tp_size=2) as two:
+        workers = two.runner.workers
+        assert len(workers) == 1 and workers[0].is_alive()
+        _assert_same(_run(two), want_a)
+        # get_weights_by_name gathers the shards
+        assert torch.equal(torch.tensor(two.get_weights_by_name(name, 1 << 20)), full)
+
+        assert two.update_weights_from_disk(models["b"])["success"]
+        _assert_same(_run(two), want_b)
+
+        tensors = load_file(f"{models['a']}/model.safetensors")
+        port = _free_port()
+        sender = WeightSender("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
+        try:
+            reply = sender.send(tensors, [two], weight_version="back-to-a")[0]
+        finally:
+            sender.close([two])
+        assert reply["success"] and two.get_weight_version() == "back-to-a"
+        _assert_same(_run(two), want_a)
+
+        bad = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
+        with pytest.raises(ValueError, match="up_proj"):
+            two.update_weights_from_tensor(bad)
+        _assert_same(_run(two), want_a)
+    assert not any(w.is_alive() for w in workers)  # shutdown leaves no process
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1_with_replicated_kv_heads_and_bias(models):
+    with _engine(models["qwen"]) as one:
+        want = _run(one)
+    with _engine(models["qwen"], tp_size=2) as two:
+        _assert_same(_run(two), want)
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_every_request_clearly_and_shutdown_leaves_no_process(models):
+    engine = _engine(models["a"], tp_size=2)
+    worker = engine.runner.workers[0]
+    try:
+        assert len(_run(engine)) == 3
+        long = engine.generate(input_ids=PROMPTS[0], stream=True,
+                               sampling_params={"max_new_tokens": 400, "temperature": 0.0,
+                                                "ignore_eos": True})
+        next(long)
+        os.kill(worker.pid, 9)
+        start = time.monotonic()
+        last = list(long)[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "tensor-parallel" in last["meta_info"]["finish_reason"]["message"]
+        assert time.monotonic() - start < 10
+        deadline = time.monotonic() + 5
+        while engine.runner.dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(WorkerDiedError, match="worker 1 of 2 exited"):
+            engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+    assert not worker.is_alive()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_tp3_equals_tp1(real_model_path):
+    """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
+    messages = [[{"role": "user", "content": q}] for q in
+                ("What is the capital of France?", "List three prime numbers.")]
+
+    def run(tp_size: int) -> list:
+        with Engine(real_model_path, device="cpu", max_total_tokens=4096,
+                    tp_size=tp_size) as engine:
+            outs = engine.generate(messages=messages, sampling_params=GREEDY,
+                                   return_logprob=True)
+        return [(o["output_ids"], torch.tensor([lp for lp, _ in
+                                                o["meta_info"]["output_token_logprobs"]]))
+                for o in outs]
+
+    _assert_same(run(3), run(1))
