@@ -114,6 +114,8 @@ class EngineConfig:
     # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
     # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
     pack_weights: bool = True
+    max_lora_rank: int = 64  # the largest LoRA rank an adapter may have
+    max_loras_per_batch: int = 8  # distinct adapters in one step; also the adapter pool's slots
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
