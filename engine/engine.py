@@ -327,6 +327,10 @@ class Engine:
     def unload_lora_adapter(self, lora_name: str) -> dict:
         return self.loras.unload(lora_name)
 
+    def list_lora_adapters(self) -> dict[str, int]:
+        """Loaded adapters and their versions."""
+        return {name: a.version for name, a in self.loras.adapters.items()}
+
     def check_integrity(self) -> None:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
         self.scheduler.call(self.scheduler.check_integrity).result()

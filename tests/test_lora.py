@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 import transformers
-from fixtures import write_tiny_chat_model
+from fixtures import serve, write_tiny_chat_model
 
-from hotswap.engine import Engine
+from hotswap.engine import Engine, RemoteEngine
 
 peft = pytest.importorskip("peft", reason="LoRA tests build adapters with the peft library")
 
@@ -259,6 +259,36 @@ def test_bad_adapter_input_is_refused_and_engine_serves(base_path, tmp_path):
                                 lora_name="good")
     assert again["meta_info"]["adapter_version"] == 2
     assert again["output_ids"] == out[0]["output_ids"]
+
+
+def test_http_generate_and_openai_model_field(base_path, tmp_path):
+    """/generate takes lora_name; OpenAI's `model` names an adapter as "base:adapter" or by
+    its name, and any other name means the base model."""
+    import httpx
+
+    path = save_peft(make_peft(base_path, seed=1), str(tmp_path / "adapter"))
+    prompt = "The quick brown fox"
+    with make_engine(base_path) as engine, serve(engine, served_model_name="tiny") as server:
+        remote = RemoteEngine(server.url)
+        assert remote.load_lora_adapter("a", path)["adapter_version"] == 1
+        want = {lo: engine.generate(prompt=prompt, sampling_params=greedy(), lora_name=lo)["text"]
+                for lo in ("a", None)}
+        assert want["a"] != want[None]
+        got = remote.generate(prompt=prompt, sampling_params=greedy(), lora_name="a")
+        assert got["text"] == want["a"] and got["meta_info"]["adapter_version"] == 1
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            models = [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert models == ["tiny", "tiny:a"]
+            for model, lora in (("tiny:a", "a"), ("a", "a"), ("tiny", None), ("gpt-x", None)):
+                body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                        "ignore_eos": True}
+                text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                assert text == want[lora], model
+            bad = http.post("/v1/completions", json={**body, "model": "tiny:nope"})
+            assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]
+            bad = http.post("/generate", json={"text": prompt, "lora_name": "nope"})
+            assert bad.status_code == 400
+        assert remote.unload_lora_adapter("a")["success"]
 
 
 @pytest.mark.real_model
