@@ -303,7 +303,14 @@ class Engine:
                                         group_name: str = "weight_update_group",
                                         weight_version: str | None = None,
                                         flush_cache: bool = True, pause_mode: str = "retract",
-                                        load_format: str | None = None) -> dict:
+                                        load_format: str | None = None,
+                                        lora_name: str | None = None) -> dict:
+        """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
+        it (bumping its version); the base weights and their version are untouched."""
+        if lora_name is not None:
+            return self.loras.update_from_distributed(
+                lora_name, self.weights.group(group_name), names, dtypes, shapes, load_format,
+                pause_mode)
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
                                                     weight_version, pause_mode,
                                                     load_format)

@@ -306,3 +306,75 @@ def test_smollm2_adapter_equals_hf_peft(real_model_path, tmp_path):
         ref_ids, ref_lps = hf_greedy(pm, ids, out["output_ids"])
         assert out["output_ids"] == ref_ids
         assert max(abs(a - b) for a, b in zip(engine_lps(out), ref_lps)) < 1e-4
+
+
+def _trainer_logprobs(pm, outs: list[dict], prompts: list[list[int]]) -> list[list[float]]:
+    """The trainer's own logprob of every token the engine sampled (teacher-forced)."""
+    result = []
+    for out, ids in zip(outs, prompts):
+        new = out["output_ids"]
+        logits = pm(input_ids=torch.tensor([ids + new])).logits[0, len(ids) - 1: -1].float()
+        lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(new)[:, None])[:, 0]
+        result.append(lps)
+    return result
+
+
+@pytest.mark.slow
+def test_lora_rl_loop_engine_follows_trainer(base_path, capsys):
+    """PEFT trains only the adapter and pushes it (PEFT names) over a gloo group every step;
+    the engine's sampled-token logprobs equal the trainer's adapter each step."""
+    from torchrun_sender import free_port
+
+    from hotswap.weight_sync import WeightSender
+
+    torch.manual_seed(0)
+    pm = make_peft(base_path, seed=7, r=4)
+    pm.train()
+    base_before = {n: p.detach().clone() for n, p in pm.named_parameters() if "lora_" not in n}
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, p in pm.named_parameters() if p.requires_grad)
+    optim = torch.optim.Adam(trainable, lr=1e-2)
+    full_bytes = sum(t.nbytes for t in pm.get_base_model().state_dict().values())
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60)
+    with make_engine(base_path) as engine:
+        tensors, cfg = adapter_tensors(pm)
+        engine.load_lora_adapter_from_tensors("policy", tensors, cfg)
+        base_ref = engine.generate(input_ids=prompts[0], sampling_params=greedy(),
+                                   return_logprob=True)
+        gaps, prev = [], None
+        for step in range(3):
+            outs = engine.generate(input_ids=prompts, lora_name="policy", return_logprob=True,
+                                   sampling_params={"max_new_tokens": 8, "temperature": 1.0,
+                                                    "n": 2, "seed": step, "ignore_eos": True})
+            assert {o["meta_info"]["adapter_version"] for o in outs} == {step + 1}
+            mine = _trainer_logprobs(pm, outs, [p for p in prompts for _ in range(2)])
+            gaps.append(max(float((lp.detach() - torch.tensor(engine_lps(o))).abs().max())
+                            for lp, o in zip(mine, outs)))
+            # reward: how often a token is even; REINFORCE with a mean baseline
+            rewards = torch.tensor([sum(t % 2 == 0 for t in o["output_ids"]) / 8 for o in outs])
+            loss = -sum((r - rewards.mean()) * lp.sum() for r, lp in zip(rewards, mine))
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            named = list(peft.get_peft_model_state_dict(pm).items())
+            push_bytes = sum(t.nbytes for _, t in named)
+            replies = sender.send([(n, t.detach()) for n, t in named], [engine],
+                                  lora_name="policy")
+            assert replies[0]["adapter_version"] == step + 2
+            if prev is not None:
+                assert engine_lps(outs[0]) != prev  # the pushed adapter changed the policy
+            prev = engine_lps(outs[0])
+        base_after = engine.generate(input_ids=prompts[0], sampling_params=greedy(),
+                                     return_logprob=True)
+        sender.close([engine])
+    with capsys.disabled():
+        print(f"\nLoRA RL loop: |engine - trainer logprob| per step "
+              f"{[f'{g:.1e}' for g in gaps]}; bytes per push: adapter {push_bytes:,} vs "
+              f"full weights {full_bytes:,} ({full_bytes / push_bytes:.0f}x)")
+    assert max(gaps) < 1e-4
+    assert all(torch.equal(p, base_before[n]) for n, p in pm.named_parameters()
+               if "lora_" not in n)
+    assert base_after["output_ids"] == base_ref["output_ids"]  # the base model is untouched
+    assert base_after["meta_info"]["cached_tokens"] == len(prompts[0]) - 1
+    assert max(abs(a - b) for a, b in zip(engine_lps(base_after), engine_lps(base_ref))) < 1e-5

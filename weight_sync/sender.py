@@ -124,9 +124,12 @@ class WeightSender:
         load_format: str | None = "flattened_bucket",
         flush_cache: bool = True,
         pause_mode: str = "retract",
+        lora_name: str | None = None,
     ) -> list[dict]:
         """Returns every target's reply once all applied the update; raises WeightSyncError
-        naming each target that did not. Tensors travel in the trainer's dtypes."""
+        naming each target that did not. Tensors travel in the trainer's dtypes. With
+        `lora_name` the tensors are that LoRA adapter's (PEFT names) and replace it."""
+        extra = {} if lora_name is None else {"lora_name": lora_name}
         check_load_format(load_format)
         tensors = _as_list(named_tensors)
         targets = list(targets)
@@ -138,7 +141,7 @@ class WeightSender:
                   dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
                   shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
                   weight_version=weight_version, flush_cache=flush_cache,
-                  pause_mode=pause_mode, load_format=load_format)
+                  pause_mode=pause_mode, load_format=load_format, **extra)
             for t in targets
         ]
         try:

@@ -160,12 +160,14 @@ class RemoteEngine:
                                         group_name: str = "weight_update_group",
                                         weight_version: str | None = None,
                                         flush_cache: bool = True, pause_mode: str = "retract",
-                                        load_format: str | None = None) -> dict:
+                                        load_format: str | None = None,
+                                        lora_name: str | None = None) -> dict:
+        extra = {} if lora_name is None else {"lora_name": lora_name}
         return self._post_control(
             "/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
             shapes=[list(s) for s in shapes], group_name=group_name,
             weight_version=weight_version, flush_cache=flush_cache, pause_mode=pause_mode,
-            load_format=load_format)
+            load_format=load_format, **extra)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._post_control("/destroy_weights_update_group", group_name=group_name)

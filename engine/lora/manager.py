@@ -97,7 +97,8 @@ class LoRAManager:
         except ValueError:
             discard_tensors(group, names, dtypes, shapes, load_format)  # the sender finishes
             raise
-        with closing(receive_tensors(group, names, dtypes, shapes, load_format)) as received:
+        with closing(receive_tensors(group, names, dtypes, shapes, load_format,
+                                     device=self.device)) as received:
             tensors = [(n, t.clone()) for n, t in received]
         return self.load_from_tensors(name, tensors, config, pause_mode)
 

@@ -182,6 +182,7 @@ class UpdateFromDistributedRequest(Body):
     flush_cache: bool = True
     pause_mode: PauseMode = "retract"
     load_format: Literal["flattened_bucket"] | None = None
+    lora_name: str | None = None  # the names are this LoRA adapter's (PEFT names)
 
 
 class GroupRequest(Body):
