@@ -152,6 +152,22 @@ def test_pool_evicts_least_recently_used(base_path, tmp_path):
     assert [o["output_ids"] for o in mixed] == [alone[n] for n in "abcabc"]
 
 
+def test_batch_over_scattered_pool_slots(base_path):
+    """A step whose adapters sit in pool slots 0 and 2 (not a contiguous range)."""
+    tensors = {n: adapter_tensors(make_peft(base_path, seed=s)) for n, s in zip("abc", (1, 2, 3))}
+    with make_engine(base_path, max_loras_per_batch=3) as engine:
+        for name, (t, cfg) in tensors.items():
+            engine.load_lora_adapter_from_tensors(name, t, cfg)
+        alone = {n: engine.generate(input_ids=PROMPTS[2], sampling_params=greedy(), lora_name=n,
+                                    cache_salt=f"alone-{n}")["output_ids"] for n in "abc"}
+        mixed = engine.generate(input_ids=[PROMPTS[2]] * 4, sampling_params=greedy(),
+                                lora_name=["c", None, "a", "c"],
+                                cache_salt=[f"m{i}" for i in range(4)])
+        base = engine.generate(input_ids=PROMPTS[2], sampling_params=greedy())
+    assert [o["output_ids"] for o in mixed] == [alone["c"], base["output_ids"], alone["a"],
+                                                alone["c"]]
+
+
 def test_adapter_update_reuses_no_old_kv_and_keeps_others(base_path, tmp_path):
     long_prompt = list(range(10, 90))
     old, other = make_peft(base_path, seed=1), make_peft(base_path, seed=5)
