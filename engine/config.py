@@ -119,6 +119,8 @@ class EngineConfig:
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1  # checked, and torchrun's environment read, in distributed/launch.py
     launcher: str = "spawn"
+    max_lora_rank: int = 64  # the largest LoRA rank an adapter may have
+    max_loras_per_batch: int = 8  # distinct adapters in one step; also the adapter pool's slots
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

@@ -18,6 +18,7 @@ from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.request import Req
 from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.distributed.launch import make_runner, resolve_launch
+from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.prepared import PreparedUpdate
@@ -50,10 +51,13 @@ class Engine:
         self.weights = WeightManager(self.runner)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_ids(),
                                        self.config.context_length)
+        self.loras = LoRAManager(self.config, model_config, self.runner.device,
+                                 self.runner.dtype)
         self.scheduler = Scheduler(self.config, self.runner, self.outputs,
-                                   lambda: self.weights.version)
+                                   lambda: self.weights.version, self.loras)
         self.weights.attach(self.scheduler)
         self.prepared = PreparedUpdate(self.weights)
+        self.loras.attach(self.scheduler)
         self.scheduler.start()
 
     def _eos_ids(self) -> set[int]:
@@ -185,7 +189,8 @@ class Engine:
                 reqs.append(Req(
                     rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
                     params=sp.for_sample(k), return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num, cache_salt=salt, stream=stream,
+                    top_logprobs_num=top_logprobs_num, cache_salt=salt, lora_name=lora,
+                    stream=stream,
                     group_leader=leader, created=time.perf_counter()))
                 leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
@@ -247,8 +252,7 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
                              f"{self.runner.allocator.size}")
         sp.check_vocab(vocab)
-        if lora is not None:
-            raise ValueError(f"lora_name {lora!r}: no LoRA adapter is loaded")
+        self.loras.check_name(lora)
         for key in _GRAMMAR_KEYS:
             if getattr(sp, key) is not None:
                 raise ValueError(f"sampling param '{key}': grammar-constrained decoding is not "
@@ -356,7 +360,14 @@ class Engine:
                                         load_format: str | None = None, *,
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
-                                        commit: bool = True) -> dict:
+                                        commit: bool = True,
+                                        lora_name: str | None = None) -> dict:
+        """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
+        it (bumping its version); the base weights and their version are untouched."""
+        if lora_name is not None:
+            return self.loras.update_from_distributed(
+                lora_name, self.weights.group(group_name), names, dtypes, shapes, load_format,
+                pause_mode)
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
                                                     weight_version, pause_mode,
                                                     load_format, commit)
@@ -385,6 +396,23 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.weights.get_weights_by_name(name, truncate_size)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                          pause_mode: str = "retract") -> dict:
+        """Load (or replace) an adapter from a PEFT folder; bumps its version."""
+        return self.loras.load_from_path(lora_name, lora_path, pause_mode)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
+                                       *, pause_mode: str = "retract") -> dict:
+        """tensors: PEFT name -> tensor (dict or pairs); config_dict: adapter_config.json."""
+        return self.loras.load_from_tensors(lora_name, tensors, config_dict, pause_mode)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self.loras.unload(lora_name)
+
+    def list_lora_adapters(self) -> dict[str, int]:
+        """Loaded adapters and their versions."""
+        return {name: a.version for name, a in self.loras.adapters.items()}
 
     def check_integrity(self) -> None:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""

@@ -125,6 +125,7 @@ class WeightSender:
         load_format: str | None = "flattened_bucket",
         flush_cache: bool = True,
         pause_mode: str = "retract",
+        lora_name: str | None = None,
     ) -> list[dict]:
         """Returns every target's reply once all applied the update; raises WeightSyncError
         naming each target that did not. Tensors travel in the trainer's dtypes.
@@ -132,22 +133,25 @@ class WeightSender:
         One target receives straight into its weights. Several targets update in two phases
         (all receive and validate into staging, then all commit; on any failure all abort), so
         they never end on different versions; each must have the engine's prepare/commit/abort
-        methods (Engine, RemoteEngine)."""
+        methods (Engine, RemoteEngine). With `lora_name` the tensors are that LoRA adapter's
+        (PEFT names) and replace it on every target in one phase."""
+        extra = {} if lora_name is None else {"lora_name": lora_name}
+        two_phase = len(targets) > 1 and lora_name is None
         check_load_format(load_format)
         tensors = _as_list(named_tensors)
         targets = list(targets)
         self._check_targets(targets)
-        if len(targets) > 1:
+        if two_phase:
             _check_two_phase(targets)
         self.connect(targets, tensors[0][1].device)
         spec = dict(names=[n for n, _ in tensors],
                     dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
                     shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
                     load_format=load_format)
-        if len(targets) > 1:
+        if two_phase:
             return self._send_two_phase(tensors, targets, spec, weight_version, pause_mode)
         calls = [_Call(t.update_weights_from_distributed, **spec, weight_version=weight_version,
-                       flush_cache=flush_cache, pause_mode=pause_mode) for t in targets]
+                       flush_cache=flush_cache, pause_mode=pause_mode, **extra) for t in targets]
         self._broadcast_to(calls, targets, tensors, load_format)
         failures = _failures(calls, targets, self.timeout_s)
         if failures:

@@ -182,12 +182,14 @@ class RemoteEngine:
                                         load_format: str | None = None, *,
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
-                                        commit: bool = True) -> dict:
+                                        commit: bool = True,
+                                        lora_name: str | None = None) -> dict:
+        extra = {} if lora_name is None else {"lora_name": lora_name}
         return self._post_control(
             "/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
             shapes=[list(s) for s in shapes], group_name=group_name,
             weight_version=weight_version, flush_cache=flush_cache, pause_mode=pause_mode,
-            load_format=load_format, commit=commit)
+            load_format=load_format, commit=commit, **extra)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._post_control("/destroy_weights_update_group", group_name=group_name)

@@ -37,6 +37,7 @@ class ForwardBatch:
     attn_backend: Any = field(default=None, repr=False)  # set by the ModelRunner
     rope: Any = field(default=None, repr=False)  # (cos, sin) of the positions, set by the model
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
+    lora: Any = field(default=None, repr=False)  # LoRABatch when some row uses an adapter
 
     @property
     def batch_size(self) -> int:

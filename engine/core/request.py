@@ -36,6 +36,7 @@ class VersionSpan:
     version: str
     start: int
     end: int
+    adapter_version: int | None = None  # the LoRA adapter's version, for adapter requests
 
 
 class IncrementalDetokenizer:
@@ -70,6 +71,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None
     stream: bool = False
     sink: Callable[[dict[str, Any]], None] | None = None  # receives output events
     group_leader: Req | None = None  # n > 1: siblings wait for the leader's prompt KV
@@ -113,10 +115,12 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
 
-    def stamp(self, version: str) -> None:
-        """Record that the newest output token was produced by `version`."""
+    def stamp(self, version: str, adapter_version: int | None = None) -> None:
+        """Record that the newest output token was produced by `version` (and, for a LoRA
+        request, by `adapter_version` of its adapter)."""
         pos = len(self.output_ids) - 1
-        if self.version_spans and self.version_spans[-1].version == version:
-            self.version_spans[-1].end = pos + 1
+        last = self.version_spans[-1] if self.version_spans else None
+        if last and (last.version, last.adapter_version) == (version, adapter_version):
+            last.end = pos + 1
         else:
-            self.version_spans.append(VersionSpan(version, pos, pos + 1))
+            self.version_spans.append(VersionSpan(version, pos, pos + 1, adapter_version))

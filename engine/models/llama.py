@@ -45,6 +45,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.qkv_proj(x)
+        if fb.lora is not None:
+            fb.lora.apply(self.layer_id, "qkv", x, qkv)
         heads = cfg.num_heads + cfg.num_kv_heads
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, heads, cfg.head_dim)
         if cfg.qk_norm:
@@ -55,32 +57,40 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([cfg.q_size, cfg.kv_size], dim=-1)
         v = qkv[:, cfg.q_size + cfg.kv_size:]
         o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        return self.o_proj(o)
+        out = self.o_proj(o)
+        return out if fb.lora is None else fb.lora.apply(self.layer_id, "o", o, out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
+        lora = fb.lora if fb is not None else None
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_id, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        out = self.down_proj(h)
+        return out if lora is None else lora.apply(self.layer_id, "down", h, out)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), fb)
 
 
 class LlamaModel(nn.Module):

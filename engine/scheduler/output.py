@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hotswap.engine.core.request import FinishReason, IncrementalDetokenizer, Req
+from hotswap.engine.core.request import FinishReason, IncrementalDetokenizer, Req, VersionSpan
 
 
 class OutputProcessor:
@@ -93,12 +93,24 @@ class OutputProcessor:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
             "weight_version": req.version_spans[-1].version if req.version_spans else None,
-            "weight_versions": [vars(s).copy() for s in req.version_spans],
+            "weight_versions": [_span(s) for s in req.version_spans],
             "num_retractions": req.num_retractions,
             "e2e_latency": time.perf_counter() - req.created,
         }
+        if req.lora_name is not None:
+            meta["lora_name"] = req.lora_name
+            meta["adapter_version"] = (req.version_spans[-1].adapter_version
+                                       if req.version_spans else None)
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t] for lp, t in zip(logprobs, ids)]
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = list(tops)
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def _span(span: VersionSpan) -> dict[str, Any]:
+    """A version span; LoRA requests' spans also name their adapter version."""
+    out = {"version": span.version, "start": span.start, "end": span.end}
+    if span.adapter_version is not None:
+        out["adapter_version"] = span.adapter_version
+    return out

@@ -21,11 +21,13 @@ from typing import Any
 import torch
 
 from hotswap.engine.config import EngineConfig
+from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
 from hotswap.engine.kvcache.radix_cache import RadixCache
+from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.kv_manager import KVManager
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
-                 weight_version: Callable[[], str]):
+                 weight_version: Callable[[], str], lora: LoRAManager | None = None):
         self.config = config
         self.runner = runner
         self.outputs = outputs
@@ -46,6 +48,7 @@ class Scheduler:
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
                             config.page_size)
         self.sampler = Sampler()
+        self.lora = lora or LoRAManager(config, runner.model_config, runner.device, runner.dtype)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)
         self.ratio = NewTokenRatio()
         self.waiting: list[Req] = []
@@ -83,10 +86,12 @@ class Scheduler:
         return future
 
     def namespace(self, req: Req) -> Namespace:
-        return Namespace(self.weight_version(), None, 0, req.cache_salt)
+        return Namespace(self.weight_version(), req.lora_name, self.lora.version(req.lora_name),
+                         req.cache_salt)
 
     def is_live(self, req: Req) -> bool:
-        return req.namespace is not None and req.namespace.weight_version == self.weight_version()
+        """Whether `req`'s KV was computed by the current weights and adapter version."""
+        return req.namespace is not None and req.namespace == self.namespace(req)
 
     @property
     def has_work(self) -> bool:
@@ -134,6 +139,10 @@ class Scheduler:
             for req in payload:
                 if req.params.max_new_tokens == 0:
                     self.finish(req, FinishReason("length"))
+                    continue
+                if req.lora_name is not None and not self.lora.has(req.lora_name):
+                    self.finish(req, FinishReason("abort", message=(
+                        f"aborted: LoRA adapter {req.lora_name!r} was unloaded")))
                     continue
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
                 leader = req.group_leader
@@ -205,14 +214,18 @@ class Scheduler:
             return False
         version = self.weight_version()
         if self.config.deterministic:
-            logits = torch.cat([self.runner.forward(ScheduleBatch.build([row], self.runner.device)
-                                                    .forward_batch) for row in batch.rows])
+            logits = torch.cat([self.runner.forward(self._with_lora(
+                ScheduleBatch.build([row], self.runner.device))) for row in batch.rows])
         else:
-            logits = self.runner.forward(batch.forward_batch)
+            logits = self.runner.forward(self._with_lora(batch))
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
         self._process(batch, logits, version)
         return True
+
+    def _with_lora(self, batch: ScheduleBatch) -> ForwardBatch:
+        batch.forward_batch.lora = self.lora.prepare(batch.rows)
+        return batch.forward_batch
 
     def _schedule(self) -> ScheduleBatch | None:
         rows = self._reserve_decode()
@@ -258,9 +271,12 @@ class Scheduler:
         share = self.config.enable_prefix_cache and not self.tree.disable
         prefix = {r.rid: self.kv.match_len(self.namespace(r), r) if share else 0
                   for r in self.waiting}
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
             if not adder.room_for_new_request():
                 break
+            if not self.lora.admissible(req, adapters):  # max_loras_per_batch: try others
+                continue
             peers = [row.req for row in rows] if share else []
             if not self.kv.admit(req, self.namespace(req), peers):
                 break
@@ -271,6 +287,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
+            adapters.update([req.lora_name] if req.lora_name is not None else [])
             self._admit_counter += 1
             req.admit_seq = self._admit_counter
             self.stats["cached_tokens"] += cached
@@ -320,7 +337,7 @@ class Scheduler:
                 req.output_logprobs.append(logprobs[i])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(tops[i][: req.top_logprobs_num])
-            req.stamp(version)
+            req.stamp(version, None if req.lora_name is None else self.lora.version(req.lora_name))
             self.stats["generated_tokens"] += 1
             reason = self.outputs.check_finish(req)
             if reason is not None:

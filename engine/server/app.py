@@ -28,7 +28,7 @@ from starlette.responses import Response
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.server.control_api import control, control_paths, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
-from hotswap.engine.server.openai_api import Job, chat_job, completion_job
+from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
 from hotswap.engine.server.prepared_routes import prepared_routes
 from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from hotswap.engine.server.serving import (
@@ -80,7 +80,10 @@ async def list_models(state: State) -> Response:
     return json_response({"object": "list", "data": [
         {"id": state.model_name, "object": "model", "created": 0, "owned_by": "hotswap",
          "root": state.engine.config.model_path,
-         "max_model_len": state.engine.config.context_length}]})
+         "max_model_len": state.engine.config.context_length}] + [
+        {"id": f"{state.model_name}:{name}", "object": "model", "created": 0,
+         "owned_by": "hotswap", "parent": state.model_name}
+        for name in getattr(state.engine, "list_lora_adapters", dict)()]})
 
 
 @inference.post("/generate")
@@ -134,6 +137,10 @@ async def chat_completions(state: State, body: ChatCompletionRequest, request: R
 
 async def _serve_openai(state: ServerState, request: Request, job: Job, stream: bool) -> Response:
     engine = state.engine
+    lora = lora_for_model(job.model, state.model_name,
+                          getattr(engine, "list_lora_adapters", dict)())
+    if lora is not None:
+        job.engine_kwargs["lora_name"] = lora
     if stream:
         events = await engine.async_generate(**job.engine_kwargs, stream=True)
         return SSEResponse(state.formatter.stream(job, _observed(state, events)))

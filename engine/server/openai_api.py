@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,3 +220,13 @@ def usage(job: Job, metas: list[dict[str, Any]]) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def lora_for_model(model: str, served: str, loaded: Container[str]) -> str | None:
+    """The adapter an OpenAI `model` field names: "base:adapter" or a loaded adapter's name;
+    any other name means the base model (clients often send a placeholder)."""
+    if ":" in model:
+        prefix, adapter = model.rsplit(":", 1)
+        if prefix == served or adapter in loaded:
+            return adapter
+    return model if model in loaded else None

@@ -195,6 +195,7 @@ class UpdateFromDistributedRequest(Body):
     # None: commit when flush_cache is true, as SGLang's trainers send flush_cache=False on every
     # bucket but the last; a staged update commits at flush_cache or continue_generation.
     commit: bool | None = None
+    lora_name: str | None = None  # the names are this LoRA adapter's (PEFT names)
 
 
 class GroupRequest(Body):

@@ -198,6 +198,13 @@ class WeightManager:
             timeout_s=self.runner.config.weight_update_timeout_s, device=self.runner.device)
         return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
 
+    def group(self, group_name: str) -> ws_group.WeightGroup:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}; "
+                             "call init_weights_update_group first")
+        return group
+
     def destroy_group(self, group_name: str) -> dict:
         group = self._groups.pop(group_name, None)
         if group is None:
@@ -237,13 +244,6 @@ class WeightManager:
         return self._commit(apply, list(names), version, pause_mode, commit)
 
     # two-phase updates (engine/weights/prepared.py) reuse these checks
-
-    def group(self, group_name: str) -> ws_group.WeightGroup:
-        group = self._groups.get(group_name)
-        if group is None:
-            raise ValueError(f"no weight update group {group_name!r}; "
-                             "call init_weights_update_group first")
-        return group
 
     def validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
                  complete: bool) -> None:
