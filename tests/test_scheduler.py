@@ -156,3 +156,31 @@ def test_random_load_with_aborts_on_a_tiny_pool(tiny_chat_model_path, page_size,
         eng.check_integrity()
     assert errors == []
     assert len(results) >= 24 and set(results) <= {"length", "abort"}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_waiting_requests_are_matched_only_where_the_policy_orders_by_prefix(
+        tiny_chat_model_path, reference, monkeypatch, policy):
+    """fcfs never walks the tree to order the queue, and lpm stops past its queue cap."""
+    from hotswap.engine.scheduler import schedule_policy
+
+    cap = 4
+    monkeypatch.setattr(schedule_policy, "LPM_MAX_QUEUE", cap)
+    ps, expected = reference
+    with Engine(tiny_chat_model_path, max_total_tokens=16384, schedule_policy=policy,
+                max_running_requests=2) as eng:
+        sched = eng.scheduler
+        queue_at_match: list[int] = []
+        match_len = sched.kv.match_len
+
+        def counted(ns, req):
+            queue_at_match.append(len(sched.waiting))
+            return match_len(ns, req)
+
+        monkeypatch.setattr(sched.kv, "match_len", counted)
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    if policy == "fcfs":
+        assert queue_at_match == []
+    else:
+        assert queue_at_match and max(queue_at_match) <= cap

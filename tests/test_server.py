@@ -321,15 +321,17 @@ def test_control_routes_work_with_admin_key(engine, server, tmp_path):
 def test_inference_routes_need_the_api_key(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                             ("POST", "/generate"), ("GET", "/metrics"),
-                             ("GET", "/get_weight_version")):
+                             ("POST", "/generate"), ("GET", "/get_weight_version")):
             r = httpx.request(method, f"{server.url}{path}", headers=headers,
                               json={"prompt": "x"} if method == "POST" else None)
             assert r.status_code == 401, (path, headers)
     for key in (API_KEY, ADMIN_KEY):
         r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200
+    # Probes and Prometheus scrapers carry no key (API.md section 3).
     assert httpx.get(f"{server.url}/health").status_code == 200
+    scrape = httpx.get(f"{server.url}/metrics")
+    assert scrape.status_code == 200 and "hotswap_weight_version_info" in scrape.text
 
 
 # Bad requests

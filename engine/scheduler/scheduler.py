@@ -256,8 +256,7 @@ class Scheduler:
         if self.hold_admission or not self.waiting:
             return rows
         share = self.config.enable_prefix_cache and not self.tree.disable
-        prefix = {r.rid: self.kv.match_len(self.namespace(r), r) if share else 0
-                  for r in self.waiting}
+        prefix = (lambda r: self.kv.match_len(self.namespace(r), r)) if share else None
         for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
             if not adder.room_for_new_request():
                 break
@@ -291,8 +290,9 @@ class Scheduler:
         for row in batch.rows:
             if not row.samples:  # a chunk: share what is computed so far
                 self.kv.cache_unfinished(row.req)
+        rows, logits = self._fail_non_finite(batch.sampling_rows, logits, version)
         # (request, logits row) pairs; forked samples read their leader's row
-        entries = [(row.req, i) for i, row in enumerate(batch.sampling_rows)]
+        entries = [(row.req, i) for i, row in enumerate(rows)]
         for req, i in list(entries):
             if not req.prefill_done:
                 req.prefill_done = True
@@ -327,6 +327,22 @@ class Scheduler:
                 self.finish(req, reason)
             elif req.stream:
                 self.outputs.emit(req)
+
+    def _fail_non_finite(self, rows: list[BatchRow], logits: torch.Tensor, version: str
+                         ) -> tuple[list[BatchRow], torch.Tensor]:
+        """End the requests whose logits hold NaN or inf (weights that diverged, an overflow)
+        with an abort that says so, instead of sampling garbage; their KV is not cached."""
+        if not rows or bool(torch.isfinite(logits.sum(-1)).all()):  # NaN/inf survive a row sum
+            return rows, logits
+        finite = torch.isfinite(logits).all(-1).tolist()
+        message = (f"the model produced non-finite logits (NaN or inf) under weight version "
+                   f"{version!r}; the request was stopped")
+        for row, ok in zip(rows, finite, strict=True):
+            if not ok:
+                self.kv.release(row.req, cache=False)
+                self.finish(row.req, FinishReason("abort", message=message))
+        keep = [i for i, ok in enumerate(finite) if ok]
+        return [rows[i] for i in keep], logits[keep]
 
     def _start_forks(self, leader: Req) -> list[Req]:
         """Start the samples waiting on `leader`'s prompt; those that cannot go to the queue."""

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotswap.engine.errors import WeightsIncompleteError
-from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_checkpoint_meta
+from hotswap.engine.models.loader import (
+    check_finite,
+    check_weights,
+    is_ignored,
+    iter_checkpoint,
+    read_checkpoint_meta,
+    write_weights,
+)
 from hotswap.weight_sync import group as ws_group
 from hotswap.weight_sync.bucket import str_to_dtype
 from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
@@ -135,12 +142,9 @@ class WeightManager:
 
     # updates
 
-    def _next_version(self, requested: str | None) -> str:
-        if requested is None:
-            return str(max(next(self._auto), _as_int(self.version) + 1))
-        if not isinstance(requested, str) or not requested:
-            raise ValueError("weight_version must be a non-empty string")
-        return requested
+    def _next_version(self) -> str:
+        """Scheduler thread only: two updates committed one after the other never share one."""
+        return str(max(next(self._auto), _as_int(self.version) + 1))
 
     def _validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
                   complete: bool) -> None:
@@ -161,16 +165,22 @@ class WeightManager:
         if len(set(names)) != len(names):
             raise ValueError("named_tensors repeats a name")
         self._validate({n: (tuple(t.shape), t.dtype) for n, t in items}, complete=False)
-        version = self._prepare(weight_version, pause_mode)
-        return self._commit(lambda: self._copy_in(items), names, version, pause_mode)
+        self._prepare(weight_version, pause_mode)
+        self._check_finite(items)
+        return self._commit(lambda: self._write(items), names, weight_version, pause_mode)
 
     def update_from_disk(self, model_path: str, weight_version: str | None,
                          pause_mode: str) -> dict:
         meta = read_checkpoint_meta(model_path)
         self._validate(meta, complete=True)
-        version = self._prepare(weight_version, pause_mode)
-        return self._commit(lambda: self._copy_in(iter_checkpoint(model_path)), list(meta),
-                            version, pause_mode)
+        self._prepare(weight_version, pause_mode)
+        self._check_finite(iter_checkpoint(model_path))  # reads the data once before the write
+        return self._commit(lambda: self._write(iter_checkpoint(model_path)), list(meta),
+                            weight_version, pause_mode)
+
+    def _check_finite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.runner.config.check_weights_finite:
+            check_finite(named)
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> dict:
@@ -204,42 +214,54 @@ class WeightManager:
                 raise ValueError("names repeats a name")
             meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
             self._validate(meta, complete=False)
-            version = self._prepare(weight_version, pause_mode)
+            self._prepare(weight_version, pause_mode)
         except ValueError:
             # Take part in the broadcast anyway so the sender finishes instead of timing out.
             discard_tensors(group, names, dtypes, shapes, load_format)
             raise
 
         def apply() -> None:
-            into = {n: self.runner.weight_map[n].view for n, d in zip(names, dtypes)
-                    if self.runner.weight_map[n].view.dtype == str_to_dtype(d)}
+            weight_map = self.runner.weight_map
+            into = {n: weight_map[n].view for n, d in zip(names, dtypes)
+                    if not is_ignored(n) and weight_map[n].view.dtype == str_to_dtype(d)}
             with closing(receive_tensors(group, names, dtypes, shapes, load_format,
                                          device=self.runner.device, into=into)) as received:
-                self._copy_in((n, t) for n, t in received if n not in into)
+                # Tensors land in place, so a non-finite one is found after the write: the
+                # update then fails and the engine refuses to serve (never NaN logits).
+                self._write((n, t) for n, t in self._checked(received) if n not in into)
 
-        return self._commit(apply, list(names), version, pause_mode)
+        return self._commit(apply, list(names), weight_version, pause_mode)
 
-    def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in named:
-                self.runner.weight_map[name].view.copy_(tensor)
+    def _checked(self, named: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterable[tuple[str, torch.Tensor]]:
+        for item in named:
+            self._check_finite([item])
+            yield item
 
-    def _prepare(self, weight_version: str | None, pause_mode: str) -> str:
-        """Check the remaining arguments; returns the version the update will commit."""
+    def _write(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        write_weights(self.runner.weight_map, named)
+
+    @staticmethod
+    def _prepare(weight_version: str | None, pause_mode: str) -> None:
+        """Check the remaining arguments (the version itself is chosen at commit)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        return self._next_version(weight_version)
+        if weight_version is not None and (not isinstance(weight_version, str)
+                                           or not weight_version):
+            raise ValueError("weight_version must be a non-empty string")
 
-    def _commit(self, apply: Callable[[], None], names: list[str], version: str,
+    def _commit(self, apply: Callable[[], None], names: list[str], requested: str | None,
                 pause_mode: str) -> dict:
+        names = [n for n in names if not is_ignored(n)]  # never written, so never damaged
         return self.scheduler.call(
-            lambda: self._commit_now(apply, names, version, pause_mode)).result()
+            lambda: self._commit_now(apply, names, requested, pause_mode)).result()
 
-    def _commit_now(self, apply: Callable[[], None], names: list[str], version: str,
+    def _commit_now(self, apply: Callable[[], None], names: list[str], requested: str | None,
                     pause_mode: str) -> dict:
         """Scheduler thread: pause per mode, write, bump the version, retire old namespaces."""
         sched = self.scheduler
         start = time.perf_counter()
+        version = requested if requested is not None else self._next_version()
         self._apply_pause_mode(pause_mode)
         try:
             apply()
