@@ -20,10 +20,9 @@ from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
-from hotswap.engine.weights.weight_manager import WeightManager
+from hotswap.engine.weights.weight_manager import PAUSE_MODES, WeightManager
 
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
-_PAUSE_MODES = ("abort", "retract", "in_place")
 _MEMORY_TAGS = ("weights", "kv_cache")
 
 
@@ -250,15 +249,15 @@ class Engine:
         self.scheduler.abort(rid, abort_all)
 
     def pause_generation(self, mode: str = "retract") -> dict:
-        if mode not in _PAUSE_MODES:
-            raise ValueError(f"mode must be one of {_PAUSE_MODES}, got {mode!r}")
-        return self.scheduler.call(lambda: self.weights.pause(mode)).result()
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return self.scheduler.pause(mode)
 
     def continue_generation(self) -> dict:
-        return self.scheduler.call(self.weights.resume).result()
+        return self.scheduler.resume()
 
     def flush_cache(self, timeout_s: float | None = None) -> dict:
-        return self.weights.flush_cache(timeout_s)
+        return self.scheduler.flush_cache(timeout_s)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Free "weights" and/or "kv_cache" memory (None: both) while nothing is queued or
@@ -266,11 +265,24 @@ class Engine:
         after resume_memory_occupation, generation is refused until an update rewrites every
         tensor. Requests sent while the KV cache is released wait for its resume."""
         tags = _memory_tags(tags)
-        return self.scheduler.call(lambda: self.weights.release_memory(tags)).result()
+        return self.scheduler.run(lambda: self._release_memory(tags))
+
+    def _release_memory(self, tags: list[str]) -> dict:
+        # Scheduler thread: nothing may be admitted between the scheduler's check and the
+        # weights' release.
+        out = self.scheduler.release_memory(tags)
+        if out["success"] and "weights" in tags:
+            self.weights.release_weights()
+        return out
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         tags = _memory_tags(tags)
-        return self.scheduler.call(lambda: self.weights.resume_memory(tags)).result()
+        return self.scheduler.run(lambda: self._resume_memory(tags))
+
+    def _resume_memory(self, tags: list[str]) -> dict:
+        if "weights" in tags:
+            self.weights.resume_weights()
+        return self.scheduler.resume_memory(tags)
 
     def get_weight_version(self) -> str:
         return self.weights.version
@@ -312,7 +324,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
-        self.scheduler.call(self.scheduler.check_integrity).result()
+        self.scheduler.check_integrity()
 
 
 

@@ -665,8 +665,14 @@ def test_concurrent_updates_without_a_version_never_share_one(tiny_chat_model_pa
                                                               v1_tensors):
     with make_engine(tiny_chat_model_path) as engine:
         assert engine.update_weights_from_tensor(v1_tensors, weight_version="5")["success"]
-        gate = threading.Event()
-        engine.scheduler.call(gate.wait)  # the scheduler thread waits: both updates queue up
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the scheduler thread waits here: both updates queue up behind it
+            holding.set()
+            gate.wait()
+
+        threading.Thread(target=engine.scheduler.run, args=(hold,), daemon=True).start()
+        assert holding.wait(TIMEOUT_S)
         results: list[dict] = []
         threads = [threading.Thread(target=lambda: results.append(
             engine.update_weights_from_tensor(v1_tensors))) for _ in range(2)]

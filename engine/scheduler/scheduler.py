@@ -16,7 +16,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,15 +26,17 @@ from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
 from hotswap.engine.kvcache.radix_cache import RadixCache
+from hotswap.engine.scheduler.control import SchedulerControl
 from hotswap.engine.scheduler.kv_manager import KVManager
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class Scheduler:
+class Scheduler(SchedulerControl):
     def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
                  weight_version: Callable[[], str]):
         self.config = config
@@ -53,8 +55,9 @@ class Scheduler:
         # n > 1: samples 1.. wait here until sample 0 has prefilled the prompt, then start on
         # its KV and sample their first token from its logits (the prompt is computed once).
         self.forks: dict[str, list[Req]] = {}
+        # Scheduling state: written on this thread only, by the control methods below.
         self.paused = False
-        self.hold_admission = False  # set while a flush waits for running requests to drain
+        self.admission_held = False  # set while a flush waits for running requests to drain
         self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "cached_tokens": 0, "steps": 0}
         self._admit_counter = 0
@@ -76,11 +79,15 @@ class Scheduler:
     def abort(self, rid: str | None, abort_all: bool = False) -> None:
         self._inbox.put(("abort", (rid, abort_all)))
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` in the scheduler thread between steps; the Future carries its result."""
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the scheduler thread between steps and return its result (its exception
+        is raised here). The one way other threads act on scheduling state; on the scheduler
+        thread itself `fn` runs at once."""
+        if threading.current_thread() is self._thread:
+            return fn()
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
-        return future
+        return future.result()
 
     def namespace(self, req: Req) -> Namespace:
         return Namespace(self.weight_version(), None, 0, req.cache_salt)
@@ -94,6 +101,8 @@ class Scheduler:
         return ready and bool(self.running or self.waiting)
 
     def _loop(self) -> None:
+        """Never dies (every part is guarded) and never spins (it blocks on the inbox unless
+        there is work it can run)."""
         idle_wait = None  # block on the inbox: None = until something arrives
         while not self._stop.is_set():
             self._drain_inbox(block=not self.has_work or idle_wait is not None,
@@ -101,21 +110,36 @@ class Scheduler:
             if self._stop.is_set():
                 break
             if not self.has_work:
+                idle_wait = None  # nothing to retry: sleep until a message arrives
                 continue
-            try:
-                # Work that cannot be scheduled yet (e.g. admission held for a flush) must not
-                # spin the thread: wait briefly on the inbox before trying again.
-                idle_wait = None if self.step() else 0.01
-            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-                logger.error("step failed: %s", traceback.format_exc())
-                for req in self.running:  # this step's KV writes may be partial: not cached
-                    self.kv.release(req, cache=False)
-                self.abort_running(f"internal error in forward step: {exc!r}")
+            # Work that cannot be scheduled yet (e.g. admission held for a flush) must not
+            # spin the thread: wait briefly on the inbox before trying again.
+            idle_wait = None if self._guarded_step() else 0.01
             if not self.running and not self.waiting:
-                self.kv.check_integrity([])
+                self._idle_check()
         message = "aborted: the engine shut down"
         self.abort_running(message)
         self.abort_waiting(message)
+
+    def _guarded_step(self) -> bool:
+        try:
+            return self.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+            logger.error("step failed: %s", traceback.format_exc())
+            for req in self.running:  # this step's KV writes may be partial: not cached
+                self.kv.release(req, cache=False)
+            self.abort_running(f"internal error in forward step: {exc!r}")
+            return True
+
+    def _idle_check(self) -> None:
+        """Invariant 2 while idle; a violation is logged and the cache rebuilt empty (nothing
+        holds KV now), so the engine keeps serving instead of losing its thread."""
+        try:
+            self.kv.check_integrity([])
+        except Exception:  # noqa: BLE001 - AssertionError included
+            logger.error("KV integrity check failed while idle; dropping the prefix cache: %s",
+                         traceback.format_exc())
+            self._reset_kv()
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -123,7 +147,10 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            try:
+                self._handle(*item)
+            except Exception:  # noqa: BLE001 - one bad message must not kill the engine
+                logger.error("scheduler message %r failed: %s", item[0], traceback.format_exc())
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -253,7 +280,7 @@ class Scheduler:
                 continue
             rows.append(row)
             chunking = chunking or not row.samples
-        if self.hold_admission or not self.waiting:
+        if self.admission_held or not self.waiting:
             return rows
         share = self.config.enable_prefix_cache and not self.tree.disable
         prefix = (lambda r: self.kv.match_len(self.namespace(r), r)) if share else None
@@ -325,8 +352,9 @@ class Scheduler:
             reason = self.outputs.check_finish(req)
             if reason is not None:
                 self.finish(req, reason)
-            elif req.stream:
-                self.outputs.emit(req)
+            elif req.stream and not self.outputs.emit(req):
+                self.finish(req, FinishReason("abort", message="its output could not be "
+                                              "delivered (the consumer is gone)"))
 
     def _fail_non_finite(self, rows: list[BatchRow], logits: torch.Tensor, version: str
                          ) -> tuple[list[BatchRow], torch.Tensor]:
@@ -366,6 +394,3 @@ class Scheduler:
             return [[] for _ in reqs]
         ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
         return [[[v, t] for v, t in zip(vr, ir)] for vr, ir in zip(vals, ids)]
-
-    def check_integrity(self) -> None:
-        self.kv.check_integrity(self.running)

@@ -62,74 +62,18 @@ class WeightManager:
                 f"weights are incomplete ({self.incomplete}); generation is refused until an "
                 "update rewrites every affected tensor")
 
-    # pause / continue / flush (scheduler thread)
+    # weight memory (scheduler thread, inside Scheduler.run, after the scheduler's own checks)
 
-    def pause(self, mode: str) -> dict:
-        self._apply_pause_mode(mode)
-        self.scheduler.paused = True
-        return {"success": True, "message": f"paused ({mode})"}
+    def release_weights(self) -> None:
+        if self.runner.weights_released:
+            return
+        self.runner.release_weights()
+        self._damaged = self.runner.model.required_weight_names()
+        self.incomplete = ("weights were released by release_memory_occupation; resume them "
+                           "and push a complete update")
 
-    def resume(self) -> dict:
-        self.scheduler.paused = False
-        return {"success": True, "message": "resumed"}
-
-    def _apply_pause_mode(self, mode: str) -> None:
-        if mode == "abort":
-            self.scheduler.abort_running(f"aborted: generation paused (mode {mode})")
-        elif mode == "retract":
-            self.scheduler.retract_all()
-
-    def flush_cache(self, timeout_s: float | None) -> dict:
-        """Drop every cached prefix once no request holds KV; waits up to timeout_s for that."""
-        sched = self.scheduler
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        sched.call(lambda: setattr(sched, "hold_admission", True)).result()
-        try:
-            while True:
-                state = sched.call(self._try_flush).result()
-                if state is None:
-                    return {"success": True, "message": "cache flushed"}
-                if sched.paused or (deadline is not None and time.monotonic() > deadline):
-                    return {"success": False, "message": state}
-                time.sleep(0.01)
-        finally:
-            sched.call(lambda: setattr(sched, "hold_admission", False)).result()
-
-    def _try_flush(self) -> str | None:
-        sched = self.scheduler
-        if sched.running:
-            return f"{len(sched.running)} running request(s) still hold KV"
-        sched.tree.reset()
-        self.runner.allocator.clear()
-        sched.check_integrity()
-        return None
-
-    # memory occupation (scheduler thread)
-
-    def release_memory(self, tags: list[str]) -> dict:
-        """Free weight and/or KV memory; only when no request is queued or running."""
-        sched = self.scheduler
-        busy = len(sched.running) + len(sched.waiting) + sum(map(len, sched.forks.values()))
-        if busy:
-            return {"success": False, "message": f"{busy} request(s) queued or running; "
-                    "wait for them or abort them before releasing memory"}
-        if "kv_cache" in tags and self.runner.kv_pool.allocated:
-            sched.tree.reset()
-            self.runner.allocator.clear()
-            self.runner.kv_pool.release()
-        if "weights" in tags and not self.runner.weights_released:
-            self.runner.release_weights()
-            self._damaged = self.runner.model.required_weight_names()
-            self.incomplete = ("weights were released by release_memory_occupation; resume "
-                               "them and push a complete update")
-        return {"success": True, "message": f"released {', '.join(tags)}"}
-
-    def resume_memory(self, tags: list[str]) -> dict:
-        if "kv_cache" in tags and not self.runner.kv_pool.allocated:
-            self.runner.kv_pool.allocate()
-        if "weights" in tags:
-            self.runner.resume_weights()
-        return {"success": True, "message": f"resumed {', '.join(tags)}"}
+    def resume_weights(self) -> None:
+        self.runner.resume_weights()
 
     # reads
 
@@ -137,8 +81,7 @@ class WeightManager:
         slot = self.runner.weight_map.get(name)
         if slot is None:
             raise ValueError(f"unknown weight name {name!r}")
-        return self.scheduler.call(
-            lambda: slot.view[:truncate_size].float().cpu().tolist()).result()
+        return self.scheduler.run(lambda: slot.view[:truncate_size].float().cpu().tolist())
 
     # updates
 
@@ -253,8 +196,7 @@ class WeightManager:
     def _commit(self, apply: Callable[[], None], names: list[str], requested: str | None,
                 pause_mode: str) -> dict:
         names = [n for n in names if not is_ignored(n)]  # never written, so never damaged
-        return self.scheduler.call(
-            lambda: self._commit_now(apply, names, requested, pause_mode)).result()
+        return self.scheduler.run(lambda: self._commit_now(apply, names, requested, pause_mode))
 
     def _commit_now(self, apply: Callable[[], None], names: list[str], requested: str | None,
                     pause_mode: str) -> dict:
@@ -262,14 +204,13 @@ class WeightManager:
         sched = self.scheduler
         start = time.perf_counter()
         version = requested if requested is not None else self._next_version()
-        self._apply_pause_mode(pause_mode)
+        sched.apply_pause_mode(pause_mode)
         try:
             apply()
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
             self._damaged |= set(names)
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
-            sched.abort_running(self.incomplete)
-            sched.abort_waiting(self.incomplete)
+            sched.abort_all(self.incomplete)
             return {"success": False, "message": self.incomplete, "weight_version": self.version}
         finally:
             self.runner.weights_changed()  # whatever was written, derived copies are stale
@@ -278,7 +219,7 @@ class WeightManager:
         self._damaged -= set(names)
         if not self._damaged:
             self.incomplete = None
-        sched.tree.retire_where(lambda ns: ns.weight_version != version)
+        sched.retire_namespaces(lambda ns: ns.weight_version != version)
         self.last_update_s = time.perf_counter() - start
         message = f"updated to version {version!r}"
         if self.incomplete is not None:
