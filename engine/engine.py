@@ -287,13 +287,14 @@ class Engine:
     def get_weight_version(self) -> str:
         return self.weights.version
 
+    # `flush_cache`, on the three update calls (and in the server's bodies and RemoteEngine), is
+    # accepted for compatibility with SGLang's signatures and ignored: every commit retires all
+    # KV of older versions and frees it at once, so there is nothing left for a flush to drop.
+
     def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
                                    flush_cache: bool = True, pause_mode: str = "retract") -> dict:
         """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine.
-
-        flush_cache is accepted for API compatibility: every commit retires all KV of older
-        versions and frees it at once, so there is nothing left for a flush to drop.
-        """
+        Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped."""
         return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,

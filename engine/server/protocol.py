@@ -160,7 +160,7 @@ class GenerateRequest(Body):
 class UpdateFromDiskRequest(Body):
     model_path: str
     weight_version: str | None = None
-    flush_cache: bool = True
+    flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
 
 
@@ -179,7 +179,7 @@ class UpdateFromDistributedRequest(Body):
     shapes: list[list[Int]]
     group_name: str = "weight_update_group"
     weight_version: str | None = None
-    flush_cache: bool = True
+    flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
     load_format: Literal["flattened_bucket"] | None = None
 
