@@ -111,6 +111,8 @@ class EngineConfig:
     mem_fraction: float = 0.3
     context_length: int | None = None
     weight_update_timeout_s: float = 300.0
+    # Refuse weight updates holding NaN or inf before any write (one extra pass over the data).
+    check_weights_finite: bool = True
     # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
     # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
     pack_weights: bool = True

@@ -22,11 +22,10 @@ from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.prepared import PreparedUpdate
-from hotswap.engine.weights.weight_manager import WeightManager
+from hotswap.engine.weights.weight_manager import PAUSE_MODES, WeightManager
 from hotswap.weight_sync.serialize import deserialize_named_tensors
 
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
-_PAUSE_MODES = ("abort", "retract", "in_place")
 _MEMORY_TAGS = ("weights", "kv_cache")
 
 
@@ -262,12 +261,20 @@ class Engine:
         self.scheduler.abort(rid, abort_all)
 
     def pause_generation(self, mode: str = "retract") -> dict:
-        if mode not in _PAUSE_MODES:
-            raise ValueError(f"mode must be one of {_PAUSE_MODES}, got {mode!r}")
-        return self.scheduler.call(lambda: self.weights.pause(mode)).result()
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        out = self.scheduler.pause(mode)
+        if self.weights.stage is not None:  # the user's pause outlives the staged update
+            self.weights.stage.was_paused = True
+        return out
 
     def continue_generation(self) -> dict:
-        return self.scheduler.call(self.weights.resume).result()
+        """Commits a staged weight update first (slime pauses, pushes buckets, continues)."""
+        if self.weights.stage is not None:
+            committed = self.commit_weight_update()
+            if not committed["success"]:
+                return committed
+        return self.scheduler.resume()
 
     def flush_cache(self, timeout_s: float | None = None) -> dict:
         """Commits a staged weight update first: SGLang trainers end a bucketed update with it."""
@@ -275,7 +282,7 @@ class Engine:
             committed = self.commit_weight_update()
             if not committed["success"]:
                 return committed
-        return self.weights.flush_cache(timeout_s)
+        return self.scheduler.flush_cache(timeout_s)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Free "weights" and/or "kv_cache" memory (None: both) while nothing is queued or
@@ -283,25 +290,42 @@ class Engine:
         after resume_memory_occupation, generation is refused until an update rewrites every
         tensor. Requests sent while the KV cache is released wait for its resume."""
         tags = _memory_tags(tags)
-        return self.scheduler.call(lambda: self.weights.release_memory(tags)).result()
+        return self.scheduler.run(lambda: self._release_memory(tags))
+
+    def _release_memory(self, tags: list[str]) -> dict:
+        # Scheduler thread: nothing may be admitted between the scheduler's check and the
+        # weights' release.
+        if self.weights.stage is not None:
+            return {"success": False, "message": "a staged weight update is open; commit or "
+                    "abort it before releasing memory"}
+        out = self.scheduler.release_memory(tags)
+        if out["success"] and "weights" in tags:
+            self.weights.release_weights()
+        return out
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         tags = _memory_tags(tags)
-        return self.scheduler.call(lambda: self.weights.resume_memory(tags)).result()
+        return self.scheduler.run(lambda: self._resume_memory(tags))
+
+    def _resume_memory(self, tags: list[str]) -> dict:
+        if "weights" in tags:
+            self.weights.resume_weights()
+        return self.scheduler.resume_memory(tags)
 
     def get_weight_version(self) -> str:
         return self.weights.version
+
+    # `flush_cache`, on the update calls (and in the server's bodies and RemoteEngine), is
+    # accepted for SGLang's positional order and otherwise ignored: every commit retires all KV
+    # of older versions and frees it at once, so there is nothing left for a flush to drop.
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
                                    pause_mode: str = "retract", commit: bool = True) -> dict:
         """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine.
-
-        flush_cache is accepted for SGLang's positional order: every commit retires all KV of
-        older versions and frees it at once, so there is nothing left for a flush to drop.
+        Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped.
         commit=False stages the tensors: generation is held and the version stays until
-        commit_weight_update() (or a later call with commit=True) makes them one version.
-        """
+        commit_weight_update() (or a later call with commit=True) makes them one version."""
         _check_direct_format(load_format)
         return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode, commit)
 
@@ -335,17 +359,16 @@ class Engine:
         use the new label; the weights do not change."""
         if not isinstance(new_version, str) or not new_version:
             raise ValueError("new_version must be a non-empty string")
-        return self.scheduler.call(
-            lambda: self.weights.relabel(new_version, abort_all_requests)).result()
+        return self.scheduler.run(lambda: self.weights.relabel(new_version, abort_all_requests))
 
     def commit_weight_update(self, weight_version: str | None = None) -> dict:
         """Commit the staged update (commit=False calls) as one version; a no-op without one."""
-        return self.scheduler.call(lambda: self.weights.commit_stage(weight_version)).result()
+        return self.scheduler.run(lambda: self.weights.commit_stage(weight_version))
 
     def abort_weight_update(self) -> dict:
         """Drop the staged update. If it wrote tensors, generation is refused until a complete
         update succeeds (the weights are half a version)."""
-        return self.scheduler.call(self.weights.abort_stage).result()
+        return self.scheduler.run(self.weights.abort_stage)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -416,7 +439,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
-        self.scheduler.call(self.scheduler.check_integrity).result()
+        self.scheduler.check_integrity()
 
 
 

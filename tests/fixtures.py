@@ -107,7 +107,8 @@ def trainer_main() -> None:
     """A trainer process: pushes a checkpoint's weights into a remote engine over gloo, twice.
 
     argv: url admin_key master_port checkpoint_dir. The first update (version v1) retracts
-    running requests, the second (v2), a second later, aborts them. Prints one JSON line.
+    running requests; the second (v2) aborts them, once 16 requests have finished under v1 (a
+    fixed pause lets a loaded machine finish none in between). Prints one JSON line.
     """
     import torch
     from safetensors.torch import load_file
@@ -127,6 +128,23 @@ def trainer_main() -> None:
         assert replies[0]["success"], replies
         # Perturb the weights so v2 differs from v1, and let requests run under v1 first.
         tensors = {n: t + 0.01 * torch.randn_like(t) for n, t in tensors.items()}
-        time.sleep(1.0)
+        _wait_for_finished(url, count=16, timeout_s=30)
     sender.close([remote])
     print(json.dumps({"timings": timings, "version": remote.get_weight_version()}), flush=True)
+
+
+def _wait_for_finished(url: str, count: int, timeout_s: float) -> None:
+    """Wait until `count` more requests finished with "length" (read from the open /metrics)."""
+    import re
+
+    import httpx
+
+    def finished() -> float:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        match = re.search(r'hotswap_finished_requests_total\{reason="length"\} (\S+)', text)
+        return float(match.group(1)) if match else 0.0
+
+    target = finished() + count
+    deadline = time.monotonic() + timeout_s
+    while finished() < target and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -94,8 +94,14 @@ class Sim:
         req.node, req.borrowed = match.last_node, k
 
     def finish(self, req: Req) -> None:
+        """As KVManager.release: hand the KV to the tree, free the own tail, drop the lock."""
         self.running.remove(req)
-        self.cache.cache_finished(req.ns, req.tokens, req.slots, req.node)
+        self.chunk(req)
+        self.alloc.free(req.slots[req.borrowed:])
+        self.cache.dec_lock_ref(req.node)
+
+    def protected(self) -> int:
+        return self.cache.total_size() - self.cache.evictable_size()
 
 
 def tokens_of(n: int, start: int = 0) -> list[int]:
@@ -208,7 +214,7 @@ def test_parent_becomes_evictable_after_its_children(ps):
     assert sim.cache.evict(1) == 8  # the leaf goes, its parent stays
     assert len(sim.cache.match_prefix(V1, tokens_of(8) + tokens_of(8, 50)).slots) == 8
     assert sim.cache.evict(100) == 8
-    assert sim.cache.total_size() == 0 and sim.cache.namespaces() == []
+    assert sim.cache.total_size() == 0
     sim.check()
 
 
@@ -217,13 +223,13 @@ def test_locked_nodes_are_never_evicted(ps):
     sim.finish(sim.admit(V1, tokens_of(8, 300)))
     sim.finish(sim.admit(V1, tokens_of(12)))
     req = sim.admit(V1, tokens_of(8) + [900, 901, 902, 903])  # locks the first 8 of tokens_of(12)
-    assert sim.cache.protected_size() == 8
+    assert sim.protected() == 8
     sim.cache.evict(10**6)
-    assert sim.cache.protected_size() == 8 and sim.cache.evictable_size() == 0
+    assert sim.protected() == 8 and sim.cache.evictable_size() == 0
     sim.verify(V1, req.tokens, sim.cache.match_prefix(V1, tokens_of(8)).slots)
     sim.check()
     sim.finish(req)
-    assert sim.cache.protected_size() == 0
+    assert sim.protected() == 0
     sim.cache.evict(10**6)
     assert sim.alloc.available_size() == sim.alloc.size
     sim.check()
@@ -251,14 +257,14 @@ def test_retire_frees_unlocked_now_and_locked_on_release(ps):
     sim.check()
 
 
-def test_retire_all_except_keeps_one(ps):
+def test_retire_where_keeps_the_others(ps):
     sim = Sim(64, ps)
     v2, salted = Namespace("v2"), Namespace("v2", cache_salt="x")
     for ns in (V1, v2, salted):
         sim.finish(sim.admit(ns, tokens_of(8)))
-    sim.cache.retire_all_except(v2)
-    assert sim.cache.namespaces() == [v2]
-    assert len(sim.cache.match_prefix(v2, tokens_of(8)).slots) == 8
+    sim.cache.retire_where(lambda ns: ns != v2)
+    assert [len(sim.cache.match_prefix(ns, tokens_of(8)).slots) for ns in (V1, v2, salted)] == [
+        0, 8, 0]
     assert sim.cache.total_size() == 8
     sim.check()
 
@@ -268,7 +274,7 @@ def test_chunked_prefill_shares_partial_progress(ps):
     ids = tokens_of(22)
     req = sim.admit(V1, ids[:8])
     sim.chunk(req)
-    assert req.borrowed == 8 and sim.cache.protected_size() == 8
+    assert req.borrowed == 8 and sim.protected() == 8
     sim.check()
     assert sim.extend(req, ids[8:18])
     sim.chunk(req)
@@ -281,7 +287,7 @@ def test_chunked_prefill_shares_partial_progress(ps):
     sim.check()
     sim.finish(other)
     sim.check()
-    assert sim.cache.total_size() == 22 - 22 % ps and sim.cache.protected_size() == 0
+    assert sim.cache.total_size() == 22 - 22 % ps and sim.protected() == 0
 
 
 def test_disabled_cache_returns_everything(ps):
@@ -382,7 +388,7 @@ def test_fuzz_protocol_keeps_invariants(ps, seed):
         sim.check()
     for req in list(sim.running):
         sim.finish(req)
-    assert sim.cache.protected_size() == 0
+    assert sim.protected() == 0
     sim.cache.evict(10**6)
     sim.check()
     assert sim.alloc.available_size() == sim.alloc.size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -156,3 +157,136 @@ def test_random_load_with_aborts_on_a_tiny_pool(tiny_chat_model_path, page_size,
         eng.check_integrity()
     assert errors == []
     assert len(results) >= 24 and set(results) <= {"length", "abort"}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_waiting_requests_are_matched_only_where_the_policy_orders_by_prefix(
+        tiny_chat_model_path, reference, monkeypatch, policy):
+    """fcfs never walks the tree to order the queue, and lpm stops past its queue cap."""
+    from hotswap.engine.scheduler import schedule_policy
+
+    cap = 4
+    monkeypatch.setattr(schedule_policy, "LPM_MAX_QUEUE", cap)
+    ps, expected = reference
+    with Engine(tiny_chat_model_path, max_total_tokens=16384, schedule_policy=policy,
+                max_running_requests=2) as eng:
+        sched = eng.scheduler
+        queue_at_match: list[int] = []
+        match_len = sched.kv.match_len
+
+        def counted(ns, req):
+            queue_at_match.append(len(sched.waiting))
+            return match_len(ns, req)
+
+        monkeypatch.setattr(sched.kv, "match_len", counted)
+        outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    if policy == "fcfs":
+        assert queue_at_match == []
+    else:
+        assert queue_at_match and max(queue_at_match) <= cap
+
+
+# The scheduler thread never dies and never spins.
+
+def within(seconds: float, fn, *args, **kwargs):
+    """fn's result, or a failed test when it has not returned in `seconds` (a dead scheduler
+    thread would leave it blocked forever)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"no answer in {seconds}s: the scheduler thread is stuck or dead"
+    return result[0]
+
+
+def wait_until(cond, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def make_req(rid: str, ids: list[int], sink, max_new_tokens: int = 8, stream: bool = True):
+    from hotswap.engine.core.request import Req
+    from hotswap.engine.core.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0,
+                                       "ignore_eos": True})
+    return Req(rid=rid, prompt_ids=ids, params=params, stream=stream, sink=sink)
+
+
+def test_a_failed_idle_integrity_check_does_not_stop_the_engine(tiny_chat_model_path,
+                                                                 monkeypatch):
+    with Engine(tiny_chat_model_path, max_total_tokens=4096) as eng:
+        check = eng.scheduler.kv.check_integrity
+        calls: list[int] = []
+
+        def fails_once(reqs):
+            calls.append(len(reqs))
+            if len(calls) == 1:
+                raise AssertionError("conservation broken (simulated)")
+            check(reqs)
+
+        monkeypatch.setattr(eng.scheduler.kv, "check_integrity", fails_once)
+        outs = [within(60, eng.generate, prompt=p, sampling_params=GREEDY)
+                for p in ("Hello", "Hello there")]
+        assert calls and all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+        eng.check_integrity()
+
+
+def test_a_failing_output_sink_fails_only_its_request(tiny_chat_model_path):
+    """A consumer that is gone (an asyncio loop closed under a stream) ends its own request; the
+    request beside it in the same batch finishes normally."""
+    events: list[dict] = []
+    delivered: list[int] = []
+
+    def closed_loop(event: dict) -> None:
+        delivered.append(len(event["output_ids"]))
+        if len(delivered) >= 3:
+            raise RuntimeError("Event loop is closed")
+
+    with Engine(tiny_chat_model_path, max_total_tokens=4096) as eng:
+        ids = eng.tokenizer.encode("Once upon a time")
+        bad = make_req("bad", ids, closed_loop, max_new_tokens=30)
+        good = make_req("good", ids + [5], events.append, max_new_tokens=30, stream=False)
+        eng.scheduler.submit([bad, good])
+        wait_until(lambda: events, 60)
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(events[-1]["output_ids"]) == 30
+        assert bad.finish_reason.type == "abort" and "delivered" in bad.finish_reason.message
+        assert len(delivered) == 3  # nothing more was pushed at the dead consumer
+        eng.check_integrity()
+        assert within(60, eng.generate, prompt="Hello", sampling_params=GREEDY)["output_ids"]
+
+
+def test_a_request_failing_in_the_inbox_does_not_stop_the_engine(tiny_chat_model_path):
+    def gone(event: dict) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    with Engine(tiny_chat_model_path, max_total_tokens=4096) as eng:
+        # max_new_tokens=0 finishes while the inbox is read: its sink fails right there.
+        eng.scheduler.submit([make_req("gone", [5, 6, 7], gone, max_new_tokens=0)])
+        out = within(60, eng.generate, prompt="Hello", sampling_params=GREEDY)
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_the_scheduler_sleeps_when_the_work_it_could_not_schedule_goes_away(
+        tiny_chat_model_path, monkeypatch):
+    with Engine(tiny_chat_model_path, max_total_tokens=4096) as eng:
+        sched = eng.scheduler
+        sched.hold_admission(True)
+        waiter = threading.Thread(target=eng.generate, kwargs=dict(
+            prompt="Hello", sampling_params=GREEDY, rid="held"), daemon=True)
+        waiter.start()
+        wait_until(lambda: sched.waiting, 10)
+        time.sleep(0.1)  # steps find nothing they may run: the loop retries every 10 ms
+        eng.abort_request("held")
+        waiter.join(10)
+        wakeups: list[float] = []
+        drain = sched._drain_inbox
+        monkeypatch.setattr(sched, "_drain_inbox", lambda *a, **k: (
+            wakeups.append(time.monotonic()), drain(*a, **k)))
+        time.sleep(0.5)
+        assert len(wakeups) <= 2, f"{len(wakeups)} wake-ups in 0.5 s with nothing to do"
+        sched.hold_admission(False)

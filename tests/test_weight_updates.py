@@ -331,6 +331,8 @@ BAD_TENSORS = {
                     r"'model.norm.weight' has shape \(65,\), expected \(64,\)"),
     "wrong dtype": (lambda t: _with(t, "model.norm.weight", torch.ones(64, dtype=torch.int64)),
                     "'model.norm.weight' has dtype torch.int64"),
+    "no data": (lambda t: _with(t, "model.norm.weight", torch.empty(64, device="meta")),
+                "'model.norm.weight' holds no data"),
 }
 
 
@@ -438,11 +440,12 @@ def test_sender_killed_mid_broadcast(tiny_chat_model_path, v1_tensors, v1_path):
 def test_update_that_skips_the_damaged_tensors_keeps_refusing(tiny_chat_model_path,
                                                                v1_tensors):
     """After a failed write, an update of other tensors leaves the weights mixed: still refused.
-    (The third tensor has no data, so the write fails after two tensors were overwritten.)"""
+    (The third tensor has no data, so the write fails after two tensors were overwritten; the
+    finite check, which would refuse it before any write, is off.)"""
     names = sorted(v1_tensors)
     broken = [(n, v1_tensors[n]) for n in names[:2]]
     broken.append((names[2], torch.empty(v1_tensors[names[2]].shape, device="meta")))
-    with make_engine(tiny_chat_model_path) as engine:
+    with make_engine(tiny_chat_model_path, check_weights_finite=False) as engine:
         assert engine.update_weights_from_tensor(broken, weight_version="v1")["success"] is False
         with pytest.raises(WeightsIncompleteError):
             engine.generate(prompt="Hello", sampling_params=greedy(2))
@@ -549,3 +552,137 @@ def test_torchrun_rank0_sends_while_default_group_exists(tiny_chat_model_path, t
         after = run(engine)
     with make_engine(out_dir) as fresh:
         assert_same_outputs(after, run(fresh))
+
+
+# Faults found in review: names HF's loader ignores, non-finite values, concurrent versions.
+
+INV_FREQ = "model.layers.0.self_attn.rotary_emb.inv_freq"
+
+
+def with_inv_freq(tensors: dict) -> dict:
+    """What older checkpoints carry: every layer's rotary inv_freq buffer beside the weights."""
+    layers = sorted({n.split(".")[2] for n in tensors if n.startswith("model.layers.")})
+    return {**tensors, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(8)
+                          for i in layers}}
+
+
+def test_rotary_inv_freq_alone_is_ignored_as_hf_does(tiny_chat_model_path):
+    with make_engine(tiny_chat_model_path) as engine:
+        before = run(engine)
+        out = engine.update_weights_from_tensor([(INV_FREQ, torch.rand(8))], weight_version="v1")
+        assert out["success"], out
+        assert engine.get_weight_version() == "v1"
+        assert_same_outputs(rerun(engine), before, tol=0.0)  # serving, and nothing changed
+
+
+@pytest.mark.parametrize("path", ["tensor", "disk", "distributed", "bucket"])
+def test_rotary_inv_freq_is_ignored_on_every_update_path(trainer, tiny_chat_model_path,
+                                                         v1_tensors, v1_path, tmp_path, path):
+    named = with_inv_freq(v1_tensors)
+    with make_engine(tiny_chat_model_path) as engine:
+        if path == "tensor":
+            out = engine.update_weights_from_tensor(named, weight_version="v1")
+        elif path == "disk":
+            old = save_checkpoint(named, tiny_chat_model_path, str(tmp_path / "old"))
+            out = engine.update_weights_from_disk(old, weight_version="v1")
+        else:
+            trainer.call("put", key="old", tensors=named)
+            load_format = None if path == "distributed" else "flattened_bucket"
+            with linked(engine, trainer):
+                out = trainer.call("send", key="old", weight_version="v1",
+                                   load_format=load_format)["replies"][0]
+        assert out["success"], out
+        after = run(engine)
+        engine.check_integrity()
+    with make_engine(v1_path) as fresh:
+        assert_same_outputs(after, run(fresh))
+
+
+def _poisoned(tensors: dict, value: float) -> dict:
+    """`tensors` with one bad element in the tensor written last (all others would go first)."""
+    last = list(tensors)[-1]
+    bad = tensors[last].clone()
+    bad.view(-1)[3] = value
+    return {**tensors, last: bad}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("path", ["tensor", "disk"])
+def test_non_finite_update_is_refused_before_any_write(tiny_chat_model_path, v1_tensors,
+                                                       tmp_path, path, value):
+    named = _poisoned(v1_tensors, value)
+    last = list(named)[-1]
+    with make_engine(tiny_chat_model_path) as engine:
+        before = run(engine)
+        q_before = engine.get_weights_by_name("model.layers.0.self_attn.q_proj.weight")
+        with pytest.raises(ValueError, match=rf"'{re.escape(last)}'.*non-finite"):
+            if path == "tensor":
+                engine.update_weights_from_tensor(named, weight_version="bad")
+            else:
+                bad = save_checkpoint(named, tiny_chat_model_path, str(tmp_path / "bad"))
+                engine.update_weights_from_disk(bad, weight_version="bad")
+        assert engine.get_weight_version() == V0
+        assert engine.get_weights_by_name("model.layers.0.self_attn.q_proj.weight") == q_before
+        assert_same_outputs(rerun(engine), before, tol=0.0)
+
+
+def test_nan_weights_from_a_trainer_are_never_served(trainer, tiny_chat_model_path,
+                                                     v1_tensors, v1_path):
+    """Over a process group the data lands in place, so the check comes after the write: the
+    update fails, and generation is refused (not NaN) until a complete update succeeds."""
+    trainer.call("put", key="nan", tensors=_poisoned(v1_tensors, float("nan")))
+    trainer.call("put", key="good", tensors=v1_tensors)
+    with make_engine(tiny_chat_model_path) as engine, linked(engine, trainer):
+        with pytest.raises(TrainerError, match="non-finite"):
+            trainer.call("send", key="nan", weight_version="bad")
+        assert engine.get_weight_version() == V0
+        with pytest.raises(WeightsIncompleteError, match="non-finite"):
+            engine.generate(prompt="Hello", sampling_params=greedy(2))
+        assert trainer.call("send", key="good", weight_version="v1")["replies"][0]["success"]
+        after = run(engine)
+    with make_engine(v1_path) as fresh:
+        assert_same_outputs(after, run(fresh))
+
+
+def test_nan_logits_fail_the_requests_with_a_clear_error(tiny_chat_model_path, v1_tensors):
+    """With the check skipped, a NaN norm weight (a diverged trainer) makes every logit NaN: the
+    requests end as aborts that say why, never as tokens with NaN logprobs."""
+    nan_norm = ("model.norm.weight", torch.full((64,), float("nan")))
+    with make_engine(tiny_chat_model_path, check_weights_finite=False) as engine:
+        assert engine.update_weights_from_tensor([nan_norm], weight_version="nan")["success"]
+        outs = run(engine)
+        for out in outs:
+            reason = out["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "non-finite logits" in reason["message"], out
+            assert out["output_ids"] == []
+        engine.check_integrity()
+        assert engine.update_weights_from_tensor(v1_tensors, weight_version="v1")["success"]
+        after = run(engine)
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in after)
+
+
+def test_concurrent_updates_without_a_version_never_share_one(tiny_chat_model_path,
+                                                              v1_tensors):
+    with make_engine(tiny_chat_model_path) as engine:
+        assert engine.update_weights_from_tensor(v1_tensors, weight_version="5")["success"]
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the scheduler thread waits here: both updates queue up behind it
+            holding.set()
+            gate.wait()
+
+        threading.Thread(target=engine.scheduler.run, args=(hold,), daemon=True).start()
+        assert holding.wait(TIMEOUT_S)
+        results: list[dict] = []
+        threads = [threading.Thread(target=lambda: results.append(
+            engine.update_weights_from_tensor(v1_tensors))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while engine.scheduler._inbox.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert sorted(r["weight_version"] for r in results) == ["6", "7"]
+        assert engine.get_weight_version() == "7"

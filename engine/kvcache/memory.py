@@ -29,10 +29,6 @@ class KVPool:
     def num_slots(self) -> int:
         return (self.num_pages + 1) * self.page_size
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
     def allocate(self) -> None:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         # empty, not zeros: untouched pages of a large CPU pool stay non-resident.

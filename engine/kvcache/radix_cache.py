@@ -16,18 +16,18 @@ Ownership protocol (every tree node holds whole pages):
   for positions p.. (alloc_extend([p], [-1], ...)). Because p is page aligned those start on fresh
   pages, so a request never shares a page with the tree. Match `ids[:-1]` when the last token
   must be computed for its logits.
-- Finish: `cache_finished(ns, tokens, slots, m.last_node)` with `slots` every slot the request
-  holds in position order and `tokens` the ids whose KV they hold. With a = the page-aligned
-  length and n = insert(ns, tokens, slots): the tree takes slots[n:a]; the request's duplicates
-  slots[p:n] (the tree already had those tokens) and its tail slots[a:] are freed; the lock drops.
+- Progress and finish: `cache_unfinished(ns, tokens, slots, last_node)` with `slots` every slot
+  the request holds in position order and `tokens` the ids whose KV they hold. With a = the
+  page-aligned length and n = insert(ns, tokens, slots): the tree takes slots[n:a], the
+  request's duplicates slots[p:n] (the tree already had those tokens) are freed, and the lock
+  moves to the new deepest node; the request writes the returned slots over its first positions
+  and borrows them from then on. To finish, the request then frees its own tail (the slots past
+  what it borrows) and drops its lock (KVManager.release).
 - Peers within one step: a request admitted in the same step as another may borrow the whole
   pages the other is about to compute for a prefix they share (both rows run in one forward,
   and every backend stores a layer's new K/V before attending). Whichever inserts those tokens
   first hands the slots to the tree; the other finds the tree holding the very same slots, and
   duplicates that are the tree's own slots are not freed.
-- Chunked prefill: `cache_unfinished` inserts and frees duplicates the same way, re-matches, moves
-  the lock, and returns the new MatchResult; the request writes result.slots over its first
-  len(result.slots) positions and borrows them from then on.
 - Disabled cache or retired namespace: insert takes nothing and returns a, so the same frees
   release every slot the request owns; the borrowed slots of a retired tree go with the lock.
 """
@@ -107,14 +107,8 @@ class RadixCache:
     def evictable_size(self) -> int:
         return self._evictable
 
-    def protected_size(self) -> int:
-        return self._protected
-
     def total_size(self) -> int:
         return self._evictable + self._protected
-
-    def namespaces(self) -> list[Namespace]:
-        return list(self._roots)
 
     def match_prefix(self, ns: Namespace, tokens: list[int]) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` in `ns`; splits the edge it ends in."""
@@ -163,16 +157,6 @@ class RadixCache:
         keep = torch.zeros_like(own, dtype=torch.bool)
         keep[: tree.numel()] = own[: tree.numel()] == tree
         self.allocator.free(own[~keep])
-
-    def cache_finished(self, ns: Namespace, tokens: list[int], slots: torch.Tensor,
-                       last_node: TreeNode) -> None:
-        """Hand a finished request's KV to the tree, free the rest, drop its lock."""
-        borrowed = self._path_len(last_node)
-        end = self._aligned(min(len(tokens), len(slots)))
-        n, tree_slots = self._insert(ns, tokens, slots)
-        self._free_duplicates(slots[borrowed:n], tree_slots[borrowed:n])
-        self.allocator.free(slots[end:])
-        self.dec_lock_ref(last_node)
 
     def cache_unfinished(self, ns: Namespace, tokens: list[int], slots: torch.Tensor,
                          last_node: TreeNode) -> MatchResult:
@@ -230,7 +214,14 @@ class RadixCache:
                 self._push_if_evictable(parent)
         return freed
 
+    def retire_where(self, predicate: Callable[[Namespace], bool]) -> None:
+        """Retire every namespace in the tree that matches `predicate` (invariant 1)."""
+        for ns in list(self._roots):
+            if predicate(ns):
+                self.retire_namespace(ns)
+
     def retire_namespace(self, ns: Namespace) -> None:
+        """`ns` never matches and is never stored again; its unlocked KV is freed now."""
         self._retired.add(ns)
         root = self._roots.pop(ns, None)
         if root is None:
@@ -241,14 +232,6 @@ class RadixCache:
             self._remove_leaf(node)
         if root.children:
             self._retired_roots[ns] = root
-
-    def retire_where(self, predicate: Callable[[Namespace], bool]) -> None:
-        for ns in list(self._roots):
-            if predicate(ns):
-                self.retire_namespace(ns)
-
-    def retire_all_except(self, keep: Namespace) -> None:
-        self.retire_where(lambda ns: ns != keep)
 
     def check_integrity(self, held_by_requests: int = 0) -> None:
         """Invariant 2 plus the tree's structure, sizes, locks, pages and LRU heap."""

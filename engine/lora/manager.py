@@ -78,7 +78,7 @@ class LoRAManager:
         _check_pause_mode(pause_mode)
         adapter = build_adapter(name, tensors, config_dict, self.model, self.max_rank,
                                 self.dtype)
-        return self.scheduler.call(lambda: self._commit(adapter, pause_mode)).result()
+        return self.scheduler.run(lambda: self._commit(adapter, pause_mode))
 
     def update_from_distributed(self, name: str, group: WeightGroup, names: Sequence[str],
                                 dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
@@ -112,7 +112,7 @@ class LoRAManager:
 
     def unload(self, name: str) -> dict:
         self.check_name(name)
-        return self.scheduler.call(lambda: self._unload_now(name)).result()
+        return self.scheduler.run(lambda: self._unload_now(name))
 
     # scheduler thread
 

@@ -1,13 +1,16 @@
 """Reads HF safetensors checkpoints (single file or sharded index) into a model by HF names.
 
-Everything is validated (names, shapes, dtypes) before any parameter is written, so a bad
-checkpoint fails with a message naming the tensor and leaves the model untouched.
+Everything is validated (names, shapes, dtypes, finite values) before any parameter is written,
+so a bad checkpoint fails with a message naming the tensor and leaves the model untouched.
+`write_weights` is the one place tensors are copied into the model, at load and on every update
+path, so names HF's loader ignores are ignored the same way everywhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -19,8 +22,14 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
               "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
               "U8": torch.uint8, "BOOL": torch.bool}
-# Buffers some checkpoints carry that the runtime recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Buffers older checkpoints carry that the runtime recomputes; transformers' loader drops the
+# same pattern (PreTrainedModel._adjust_missing_and_unexpected_keys).
+_IGNORED = re.compile(r"rotary_emb\.inv_freq")
+
+
+def is_ignored(name: str) -> bool:
+    """A name updates and checkpoints may carry that is not a weight: accepted, never written."""
+    return _IGNORED.search(name) is not None
 
 
 def checkpoint_files(model_path: str) -> list[str]:
@@ -59,7 +68,7 @@ def check_weights(weight_map: Mapping[str, WeightSlot],
     """Raise ValueError naming every unknown, missing, misshapen or non-float tensor."""
     problems = []
     for name, (shape, dtype) in meta.items():
-        if name.endswith(_IGNORED_SUFFIXES):
+        if is_ignored(name):
             continue
         slot = weight_map.get(name)
         if slot is None:
@@ -79,11 +88,41 @@ def check_weights(weight_map: Mapping[str, WeightSlot],
         raise ValueError("; ".join(problems))
 
 
+def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError naming every tensor that holds a NaN or an infinity (or no data)."""
+    bad = []
+    for name, tensor in named:
+        if is_ignored(name):
+            continue
+        if tensor.is_meta:
+            raise ValueError(f"tensor '{name}' holds no data (a meta tensor)")
+        if not _finite(tensor):
+            bad.append(name)
+    if bad:
+        shown = ", ".join(f"'{n}'" for n in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(f"tensor(s) {shown}{more} hold non-finite values (NaN or inf)")
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # NaN and inf survive a sum, so a finite sum proves every element finite in one pass with
+    # no temporary; only a non-finite sum (or an overflow of huge values) needs the exact test.
+    if torch.isfinite(tensor.sum()):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+def write_weights(weight_map: Mapping[str, WeightSlot],
+                  named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy validated tensors into place by HF name; ignored names are skipped."""
+    with torch.no_grad():
+        for name, tensor in named:
+            if not is_ignored(name):
+                weight_map[name].view.copy_(tensor)
+
+
 def load_checkpoint(model: torch.nn.Module, model_path: str) -> None:
     """Validate the checkpoint against the model, then copy every tensor into place."""
     weight_map = model.hf_weight_map()
     check_weights(weight_map, read_checkpoint_meta(model_path), model.required_weight_names())
-    with torch.no_grad():
-        for name, tensor in iter_checkpoint(model_path):
-            if not name.endswith(_IGNORED_SUFFIXES):
-                weight_map[name].view.copy_(tensor)
+    write_weights(weight_map, iter_checkpoint(model_path))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from hotswap.engine.core.request import FinishReason, IncrementalDetokenizer, Req, VersionSpan
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -59,15 +62,29 @@ class OutputProcessor:
                 text = text[:cut]
         return text
 
-    def emit(self, req: Req) -> None:
-        """Deliver the final output, or for a stream the part not yet sent."""
+    def emit(self, req: Req) -> bool:
+        """Deliver the final output, or for a stream the part not yet sent.
+
+        False when the request's sink raised (e.g. its asyncio loop is closed): the sink is
+        dropped, and only this request is affected; the caller ends it if it still runs.
+        """
         if req.sink is None:
-            return
+            return True
         if req.stream:
-            req.sink(self._stream_delta(req))
+            event = self._stream_delta(req)
         elif req.finished:
-            req.sink(self.build(req, self.final_text(req), req.output_ids,
-                                req.output_logprobs, req.output_top_logprobs))
+            event = self.build(req, self.final_text(req), req.output_ids, req.output_logprobs,
+                               req.output_top_logprobs)
+        else:
+            return True
+        try:
+            req.sink(event)
+        except Exception:  # noqa: BLE001 - the consumer's failure, not the engine's
+            logger.warning("request %s: output sink failed; dropping it", req.rid,
+                           exc_info=True)
+            req.sink = None
+            return False
+        return True
 
     def _stream_delta(self, req: Req) -> dict[str, Any]:
         if req.finished:

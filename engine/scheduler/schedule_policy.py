@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hotswap.engine.core.request import Req
@@ -10,10 +11,15 @@ from hotswap.engine.core.request import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting(waiting: list[Req], policy: str, prefix_len: dict[str, int]) -> list[Req]:
-    """lpm: longest cached prefix first (ties keep arrival order); fcfs: arrival order."""
-    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
-        return sorted(waiting, key=lambda r: -prefix_len[r.rid])
+def order_waiting(waiting: list[Req], policy: str, prefix_len: Callable[[Req], int] | None
+                  ) -> list[Req]:
+    """lpm: longest cached prefix first (ties keep arrival order); fcfs: arrival order.
+
+    `prefix_len` walks the tree, so it is called only where the order depends on it: under lpm
+    with at most LPM_MAX_QUEUE waiting. None: no prefix cache, arrival order.
+    """
+    if policy == "lpm" and prefix_len is not None and len(waiting) <= LPM_MAX_QUEUE:
+        return sorted(waiting, key=lambda r: -prefix_len(r))
     return list(waiting)
 
 

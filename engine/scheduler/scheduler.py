@@ -16,7 +16,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,15 +28,17 @@ from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
 from hotswap.engine.kvcache.radix_cache import RadixCache
 from hotswap.engine.lora.manager import LoRAManager
+from hotswap.engine.scheduler.control import SchedulerControl
 from hotswap.engine.scheduler.kv_manager import KVManager
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class Scheduler:
+class Scheduler(SchedulerControl):
     def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
                  weight_version: Callable[[], str], lora: LoRAManager | None = None):
         self.config = config
@@ -56,8 +58,9 @@ class Scheduler:
         # n > 1: samples 1.. wait here until sample 0 has prefilled the prompt, then start on
         # its KV and sample their first token from its logits (the prompt is computed once).
         self.forks: dict[str, list[Req]] = {}
+        # Scheduling state: written on this thread only, by the control methods below.
         self.paused = False
-        self.hold_admission = False  # set while a flush waits for running requests to drain
+        self.admission_held = False  # set while a flush waits for running requests to drain
         self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "cached_tokens": 0, "steps": 0}
         self._admit_counter = 0
@@ -79,11 +82,15 @@ class Scheduler:
     def abort(self, rid: str | None, abort_all: bool = False) -> None:
         self._inbox.put(("abort", (rid, abort_all)))
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` in the scheduler thread between steps; the Future carries its result."""
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the scheduler thread between steps and return its result (its exception
+        is raised here). The one way other threads act on scheduling state; on the scheduler
+        thread itself `fn` runs at once."""
+        if threading.current_thread() is self._thread:
+            return fn()
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
-        return future
+        return future.result()
 
     def namespace(self, req: Req) -> Namespace:
         return Namespace(self.weight_version(), req.lora_name, self.lora.version(req.lora_name),
@@ -99,6 +106,8 @@ class Scheduler:
         return ready and bool(self.running or self.waiting)
 
     def _loop(self) -> None:
+        """Never dies (every part is guarded) and never spins (it blocks on the inbox unless
+        there is work it can run)."""
         idle_wait = None  # block on the inbox: None = until something arrives
         while not self._stop.is_set():
             self._drain_inbox(block=not self.has_work or idle_wait is not None,
@@ -106,21 +115,36 @@ class Scheduler:
             if self._stop.is_set():
                 break
             if not self.has_work:
+                idle_wait = None  # nothing to retry: sleep until a message arrives
                 continue
-            try:
-                # Work that cannot be scheduled yet (e.g. admission held for a flush) must not
-                # spin the thread: wait briefly on the inbox before trying again.
-                idle_wait = None if self.step() else 0.01
-            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-                logger.error("step failed: %s", traceback.format_exc())
-                for req in self.running:  # this step's KV writes may be partial: not cached
-                    self.kv.release(req, cache=False)
-                self.abort_running(f"internal error in forward step: {exc!r}")
+            # Work that cannot be scheduled yet (e.g. admission held for a flush) must not
+            # spin the thread: wait briefly on the inbox before trying again.
+            idle_wait = None if self._guarded_step() else 0.01
             if not self.running and not self.waiting:
-                self.kv.check_integrity([])
+                self._idle_check()
         message = "aborted: the engine shut down"
         self.abort_running(message)
         self.abort_waiting(message)
+
+    def _guarded_step(self) -> bool:
+        try:
+            return self.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+            logger.error("step failed: %s", traceback.format_exc())
+            for req in self.running:  # this step's KV writes may be partial: not cached
+                self.kv.release(req, cache=False)
+            self.abort_running(f"internal error in forward step: {exc!r}")
+            return True
+
+    def _idle_check(self) -> None:
+        """Invariant 2 while idle; a violation is logged and the cache rebuilt empty (nothing
+        holds KV now), so the engine keeps serving instead of losing its thread."""
+        try:
+            self.kv.check_integrity([])
+        except Exception:  # noqa: BLE001 - AssertionError included
+            logger.error("KV integrity check failed while idle; dropping the prefix cache: %s",
+                         traceback.format_exc())
+            self._reset_kv()
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -128,7 +152,10 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            try:
+                self._handle(*item)
+            except Exception:  # noqa: BLE001 - one bad message must not kill the engine
+                logger.error("scheduler message %r failed: %s", item[0], traceback.format_exc())
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -266,11 +293,10 @@ class Scheduler:
                 continue
             rows.append(row)
             chunking = chunking or not row.samples
-        if self.hold_admission or not self.waiting:
+        if self.admission_held or not self.waiting:
             return rows
         share = self.config.enable_prefix_cache and not self.tree.disable
-        prefix = {r.rid: self.kv.match_len(self.namespace(r), r) if share else 0
-                  for r in self.waiting}
+        prefix = (lambda r: self.kv.match_len(self.namespace(r), r)) if share else None
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
             if not adder.room_for_new_request():
@@ -308,8 +334,9 @@ class Scheduler:
         for row in batch.rows:
             if not row.samples:  # a chunk: share what is computed so far
                 self.kv.cache_unfinished(row.req)
+        rows, logits = self._fail_non_finite(batch.sampling_rows, logits, version)
         # (request, logits row) pairs; forked samples read their leader's row
-        entries = [(row.req, i) for i, row in enumerate(batch.sampling_rows)]
+        entries = [(row.req, i) for i, row in enumerate(rows)]
         for req, i in list(entries):
             if not req.prefill_done:
                 req.prefill_done = True
@@ -342,8 +369,25 @@ class Scheduler:
             reason = self.outputs.check_finish(req)
             if reason is not None:
                 self.finish(req, reason)
-            elif req.stream:
-                self.outputs.emit(req)
+            elif req.stream and not self.outputs.emit(req):
+                self.finish(req, FinishReason("abort", message="its output could not be "
+                                              "delivered (the consumer is gone)"))
+
+    def _fail_non_finite(self, rows: list[BatchRow], logits: torch.Tensor, version: str
+                         ) -> tuple[list[BatchRow], torch.Tensor]:
+        """End the requests whose logits hold NaN or inf (weights that diverged, an overflow)
+        with an abort that says so, instead of sampling garbage; their KV is not cached."""
+        if not rows or bool(torch.isfinite(logits.sum(-1)).all()):  # NaN/inf survive a row sum
+            return rows, logits
+        finite = torch.isfinite(logits).all(-1).tolist()
+        message = (f"the model produced non-finite logits (NaN or inf) under weight version "
+                   f"{version!r}; the request was stopped")
+        for row, ok in zip(rows, finite, strict=True):
+            if not ok:
+                self.kv.release(row.req, cache=False)
+                self.finish(row.req, FinishReason("abort", message=message))
+        keep = [i for i, ok in enumerate(finite) if ok]
+        return [rows[i] for i in keep], logits[keep]
 
     def _start_forks(self, leader: Req) -> list[Req]:
         """Start the samples waiting on `leader`'s prompt; those that cannot go to the queue."""
@@ -367,6 +411,3 @@ class Scheduler:
             return [[] for _ in reqs]
         ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
         return [[[v, t] for v, t in zip(vr, ir)] for vr, ir in zip(vals, ids)]
-
-    def check_integrity(self) -> None:
-        self.kv.check_integrity(self.running)

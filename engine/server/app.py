@@ -6,7 +6,8 @@ the event loop: generation awaits the engine's async API and the blocking contro
 updates, pause, flush) run in worker threads, so streams keep flowing during a weight update.
 
 Keys (Bearer): control routes need the admin key when one is set (the API key otherwise);
-every other route except /health needs the API key when one is set (the admin key works too).
+/health and /metrics are open (probes and scrapers carry no key); every other route needs the
+API key when one is set (the admin key works too).
 Both are checked before the body is read, with constant-time comparison.
 """
 
@@ -70,7 +71,7 @@ async def get_weight_version(state: State) -> Response:
     return json_response({"weight_version": state.engine.get_weight_version()})
 
 
-@inference.get("/metrics")
+@open_routes.get("/metrics")
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -250,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU float32: no oneDNN-blocked weight copies (half the weight memory)")
     e.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="keep a host copy of the weights across release_memory_occupation")
+    e.add_argument("--no-check-weights-finite", action="store_true",
+                   help="skip the NaN/inf check of weight updates (saves one pass over the data)")
     return p
 
 
@@ -265,7 +268,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 context_length=args.context_length,
                 weight_update_timeout_s=args.weight_update_timeout_s,
                 pack_weights=not args.no_pack_weights,
-                enable_weights_cpu_backup=args.enable_weights_cpu_backup)
+                enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+                check_weights_finite=not args.no_check_weights_finite)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:

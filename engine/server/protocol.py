@@ -169,7 +169,7 @@ class UpdateFromDiskRequest(Body):
     model_path: str
     load_format: str | None = None
     weight_version: str | None = None
-    flush_cache: bool = True
+    flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
     commit: bool = True
 
@@ -189,7 +189,7 @@ class UpdateFromDistributedRequest(Body):
     shapes: list[list[Int]]
     group_name: str = "weight_update_group"
     weight_version: str | None = None
-    flush_cache: bool = True
+    flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
     load_format: Literal["flattened_bucket"] | None = None
     # None: commit when flush_cache is true, as SGLang's trainers send flush_cache=False on every

@@ -135,6 +135,10 @@ async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Respons
     return json_response(await asyncio.to_thread(fn, *args, **kwargs))
 
 
+# Probes and Prometheus scrapers carry no key (API.md section 3).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class GuardMiddleware:
     """Keys and the body size limit, both enforced before the app sees the request (a refused
     request changes nothing); and request counting by route for the metrics."""
@@ -151,7 +155,7 @@ class GuardMiddleware:
         self.control_paths = control_paths
 
     def _keys_for(self, path: str) -> list[str]:
-        if path == "/health":
+        if path in OPEN_PATHS:
             return []
         if path in self.control_paths:
             key = self.admin_key or self.api_key

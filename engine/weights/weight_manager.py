@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotswap.engine.errors import WeightsIncompleteError
-from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_checkpoint_meta
+from hotswap.engine.models.loader import (
+    check_finite,
+    check_weights,
+    is_ignored,
+    iter_checkpoint,
+    read_checkpoint_meta,
+    write_weights,
+)
 from hotswap.engine.weights.staging import Stage
 from hotswap.weight_sync import group as ws_group
 from hotswap.weight_sync.bucket import str_to_dtype
@@ -59,86 +66,21 @@ class WeightManager:
                 f"weights are incomplete ({self.incomplete}); generation is refused until an "
                 "update rewrites every affected tensor")
 
-    # pause / continue / flush (scheduler thread)
+    # weight memory (scheduler thread, inside Scheduler.run, after the scheduler's own checks)
 
-    def pause(self, mode: str) -> dict:
-        self._apply_pause_mode(mode)
-        self.scheduler.paused = True
-        if self.stage is not None:
-            self.stage.was_paused = True
-        return {"success": True, "message": f"paused ({mode})"}
+    def release_weights(self) -> None:
+        if self.runner.weights_released:
+            return
+        if self.keep_host_copy and self.incomplete is None:
+            self._host_copy = self._copy_to_host()
+        self.runner.release_weights()
+        self._damaged = self.runner.model.required_weight_names()
+        self.incomplete = ("weights were released by release_memory_occupation; resume them "
+                           "and push a complete update")
 
-    def resume(self) -> dict:
-        committed = ""
-        if self.stage is not None:
-            # slime pauses, pushes buckets and continues: continuing commits what was staged.
-            committed = "; " + self.commit_stage(None)["message"]
-        self.scheduler.paused = False
-        return {"success": True, "message": "resumed" + committed}
-
-    def _apply_pause_mode(self, mode: str) -> None:
-        if mode == "abort":
-            self.scheduler.abort_running(f"aborted: generation paused (mode {mode})")
-        elif mode == "retract":
-            self.scheduler.retract_all()
-
-    def flush_cache(self, timeout_s: float | None) -> dict:
-        """Drop every cached prefix once no request holds KV; waits up to timeout_s for that."""
-        sched = self.scheduler
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        sched.call(lambda: setattr(sched, "hold_admission", True)).result()
-        try:
-            while True:
-                state = sched.call(self._try_flush).result()
-                if state is None:
-                    return {"success": True, "message": "cache flushed"}
-                if sched.paused or (deadline is not None and time.monotonic() > deadline):
-                    return {"success": False, "message": state}
-                time.sleep(0.01)
-        finally:
-            sched.call(lambda: setattr(sched, "hold_admission", False)).result()
-
-    def _try_flush(self) -> str | None:
-        sched = self.scheduler
-        if sched.running:
-            return f"{len(sched.running)} running request(s) still hold KV"
-        sched.tree.reset()
-        self.runner.allocator.clear()
-        sched.check_integrity()
-        return None
-
-    # memory occupation (scheduler thread)
-
-    def release_memory(self, tags: list[str]) -> dict:
-        """Free weight and/or KV memory; only when no request is queued or running."""
-        sched = self.scheduler
-        busy = len(sched.running) + len(sched.waiting) + sum(map(len, sched.forks.values()))
-        if busy:
-            return {"success": False, "message": f"{busy} request(s) queued or running; "
-                    "wait for them or abort them before releasing memory"}
-        if self.stage is not None:
-            return {"success": False, "message": "a staged weight update is open; commit or "
-                    "abort it before releasing memory"}
-        if "kv_cache" in tags and self.runner.kv_pool.allocated:
-            sched.tree.reset()
-            self.runner.allocator.clear()
-            self.runner.kv_pool.release()
-        if "weights" in tags and not self.runner.weights_released:
-            if self.keep_host_copy and self.incomplete is None:
-                self._host_copy = self._copy_to_host()
-            self.runner.release_weights()
-            self._damaged = self.runner.model.required_weight_names()
-            self.incomplete = ("weights were released by release_memory_occupation; resume "
-                               "them and push a complete update")
-        return {"success": True, "message": f"released {', '.join(tags)}"}
-
-    def resume_memory(self, tags: list[str]) -> dict:
-        if "kv_cache" in tags and not self.runner.kv_pool.allocated:
-            self.runner.kv_pool.allocate()
-        if "weights" in tags:
-            self.runner.resume_weights()
-            self._restore_host_copy()
-        return {"success": True, "message": f"resumed {', '.join(tags)}"}
+    def resume_weights(self) -> None:
+        self.runner.resume_weights()
+        self._restore_host_copy()
 
     # reads
 
@@ -146,17 +88,15 @@ class WeightManager:
         slot = self.runner.weight_map.get(name)
         if slot is None:
             raise ValueError(f"unknown weight name {name!r}")
-        return self.scheduler.call(
-            lambda: slot.view[:truncate_size].float().cpu().tolist()).result()
+        return self.scheduler.run(lambda: slot.view[:truncate_size].float().cpu().tolist())
 
     # updates
 
-    def _next_version(self, requested: str | None) -> str:
-        if requested is None:
-            return str(max(next(self._auto), _as_int(self.version) + 1))
-        if not isinstance(requested, str) or not requested:
-            raise ValueError("weight_version must be a non-empty string")
-        return requested
+    def _next_version(self, requested: str | None = None) -> str:
+        """Scheduler thread only: two updates committed one after the other never share one."""
+        if requested is not None:
+            return requested
+        return str(max(next(self._auto), _as_int(self.version) + 1))
 
     def _validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
                   complete: bool) -> None:
@@ -178,16 +118,23 @@ class WeightManager:
         if len(set(names)) != len(names):
             raise ValueError("named_tensors repeats a name")
         self._validate({n: (tuple(t.shape), t.dtype) for n, t in items}, complete=False)
-        version = self._prepare(weight_version, pause_mode)
-        return self._commit(lambda: self._copy_in(items), names, version, pause_mode, commit)
+        self._prepare(weight_version, pause_mode)
+        self._check_finite(items)
+        return self._commit(lambda: self._write(items), names, weight_version, pause_mode,
+                            commit)
 
     def update_from_disk(self, model_path: str, weight_version: str | None,
                          pause_mode: str, commit: bool = True) -> dict:
         meta = read_checkpoint_meta(model_path)
         self._validate(meta, complete=True)
-        version = self._prepare(weight_version, pause_mode)
-        return self._commit(lambda: self._copy_in(iter_checkpoint(model_path)), list(meta),
-                            version, pause_mode, commit)
+        self._prepare(weight_version, pause_mode)
+        self._check_finite(iter_checkpoint(model_path))  # reads the data once before the write
+        return self._commit(lambda: self._write(iter_checkpoint(model_path)), list(meta),
+                            weight_version, pause_mode, commit)
+
+    def _check_finite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.runner.config.check_weights_finite:
+            check_finite(named)
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> dict:
@@ -228,20 +175,23 @@ class WeightManager:
                 raise ValueError("names repeats a name")
             meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
             self._validate(meta, complete=False)
-            version = self._prepare(weight_version, pause_mode)
+            self._prepare(weight_version, pause_mode)
         except ValueError:
             # Take part in the broadcast anyway so the sender finishes instead of timing out.
             discard_tensors(group, names, dtypes, shapes, load_format)
             raise
 
         def apply() -> None:
-            into = {n: self.runner.weight_map[n].view for n, d in zip(names, dtypes)
-                    if self.runner.weight_map[n].view.dtype == str_to_dtype(d)}
+            weight_map = self.runner.weight_map
+            into = {n: weight_map[n].view for n, d in zip(names, dtypes)
+                    if not is_ignored(n) and weight_map[n].view.dtype == str_to_dtype(d)}
             with closing(receive_tensors(group, names, dtypes, shapes, load_format,
                                          device=self.runner.device, into=into)) as received:
-                self._copy_in((n, t) for n, t in received if n not in into)
+                # Tensors land in place, so a non-finite one is found after the write: the
+                # update then fails and the engine refuses to serve (never NaN logits).
+                self._write((n, t) for n, t in self._checked(received) if n not in into)
 
-        return self._commit(apply, list(names), version, pause_mode, commit)
+        return self._commit(apply, list(names), weight_version, pause_mode, commit)
 
     # two-phase updates (engine/weights/prepared.py) reuse these checks
 
@@ -253,14 +203,19 @@ class WeightManager:
         """The version an update with weight_version=None would get now (not reserved)."""
         return str(_as_int(self.version) + 1)
 
-    def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in named:
-                self.runner.weight_map[name].view.copy_(tensor)
+    def _checked(self, named: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterable[tuple[str, torch.Tensor]]:
+        for item in named:
+            self._check_finite([item])
+            yield item
 
-    def _prepare(self, weight_version: str | None, pause_mode: str) -> str | None:
-        """Check the remaining arguments; returns the requested version (None: automatic),
-        resolved when the update commits."""
+    def _write(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        write_weights(self.runner.weight_map, named)
+
+    @staticmethod
+    def _prepare(weight_version: str | None, pause_mode: str) -> str | None:
+        """Check the remaining arguments; returns the requested version (None: automatic,
+        chosen at commit)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if weight_version is not None and (not isinstance(weight_version, str)
@@ -268,10 +223,11 @@ class WeightManager:
             raise ValueError("weight_version must be a non-empty string")
         return weight_version
 
-    def _commit(self, apply: Callable[[], None], names: list[str], version: str | None,
+    def _commit(self, apply: Callable[[], None], names: list[str], requested: str | None,
                 pause_mode: str, commit: bool = True) -> dict:
-        return self.scheduler.call(
-            lambda: self._commit_now(apply, names, version, pause_mode, commit)).result()
+        names = [n for n in names if not is_ignored(n)]  # never written, so never damaged
+        return self.scheduler.run(
+            lambda: self._commit_now(apply, names, requested, pause_mode, commit))
 
     def _commit_now(self, apply: Callable[[], None], names: list[str], requested: str | None,
                     pause_mode: str, commit: bool = True) -> dict:
@@ -279,17 +235,16 @@ class WeightManager:
         With commit=False, or while a stage is open, the write joins the stage instead."""
         if not commit or self.stage is not None:
             return self._stage_piece(apply, names, requested, pause_mode, commit)
-        version = self._next_version(requested)
         sched = self.scheduler
         start = time.perf_counter()
-        self._apply_pause_mode(pause_mode)
+        version = self._next_version(requested)
+        sched.apply_pause_mode(pause_mode)
         try:
             apply()
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
             self._damaged |= set(names)
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
-            sched.abort_running(self.incomplete)
-            sched.abort_waiting(self.incomplete)
+            sched.abort_all(self.incomplete)
             return {"success": False, "message": self.incomplete, "weight_version": self.version}
         finally:
             self.runner.weights_changed()  # whatever was written, derived copies are stale
@@ -298,7 +253,7 @@ class WeightManager:
         self._damaged -= set(names)
         if not self._damaged:
             self.incomplete = None
-        sched.tree.retire_where(lambda ns: ns.weight_version != version)
+        sched.retire_namespaces(lambda ns: ns.weight_version != version)
         self.last_update_s = time.perf_counter() - start
         message = f"updated to version {version!r}"
         if self.incomplete is not None:
@@ -306,15 +261,14 @@ class WeightManager:
                         "update were not rewritten")
         return {"success": True, "message": message, "weight_version": version}
 
-
     # staged updates (scheduler thread; see staging.py)
 
     def _stage_piece(self, apply: Callable[[], None], names: list[str], requested: str | None,
                      pause_mode: str, commit: bool) -> dict:
         if self.stage is None:
-            self._apply_pause_mode(pause_mode)
-            self.stage = Stage(pause_mode, was_paused=self.scheduler.paused)
-            self.scheduler.paused = True
+            was_paused = self.scheduler.paused
+            self.scheduler.pause(pause_mode)
+            self.stage = Stage(pause_mode, was_paused=was_paused)
         self.stage.add(names, requested)
         try:
             apply()
@@ -341,8 +295,9 @@ class WeightManager:
         self._damaged -= stage.written
         if not self._damaged:
             self.incomplete = None
-        self.scheduler.tree.retire_where(lambda ns: ns.weight_version != version)
-        self.scheduler.paused = stage.was_paused
+        self.scheduler.retire_namespaces(lambda ns: ns.weight_version != version)
+        if not stage.was_paused:
+            self.scheduler.resume()
         return {"success": True, "weight_version": version,
                 "message": f"updated to version {version!r} ({stage.describe()})"}
 
@@ -356,9 +311,9 @@ class WeightManager:
         if stage.written:
             self._damaged |= stage.written
             self.incomplete = f"{why} after writing {stage.describe()}"
-            self.scheduler.abort_running(self.incomplete)
-            self.scheduler.abort_waiting(self.incomplete)
-        self.scheduler.paused = stage.was_paused
+            self.scheduler.abort_all(self.incomplete)
+        if not stage.was_paused:
+            self.scheduler.resume()
         return {"success": False, "weight_version": self.version,
                 "message": self.incomplete or why}
 
@@ -367,10 +322,9 @@ class WeightManager:
         if self.stage is not None:
             return {"success": False, "message": "a staged weight update is open"}
         if abort_all:
-            self.scheduler.abort_running("aborted: weight version relabelled")
-            self.scheduler.abort_waiting("aborted: weight version relabelled")
+            self.scheduler.abort_all("aborted: weight version relabelled")
         self.version = new_version
-        self.scheduler.tree.retire_where(lambda ns: ns.weight_version != new_version)
+        self.scheduler.retire_namespaces(lambda ns: ns.weight_version != new_version)
         return {"success": True, "message": f"weight version is now {new_version!r}"}
 
     # host copy across release_memory_occupation (enable_weights_cpu_backup)
@@ -383,7 +337,7 @@ class WeightManager:
         copy, self._host_copy = self._host_copy, None
         if copy is None or self.runner.weights_released:
             return
-        self._copy_in(copy.items())
+        self._write(copy.items())
         self.runner.weights_changed()
         self._damaged.clear()
         self.incomplete = None
