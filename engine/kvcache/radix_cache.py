@@ -70,6 +70,14 @@ class MatchResult(NamedTuple):
     last_node: TreeNode  # deepest matched node: lock it while the request runs
 
 
+class TierLoad(NamedTuple):
+    """A device match after lower cache tiers (host, storage) extended it (HiRadixCache)."""
+
+    match: MatchResult
+    host_tokens: int = 0  # of match.slots, tokens copied back from the host tier
+    storage_tokens: int = 0  # ... and read from the storage tier
+
+
 def _no_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
@@ -126,6 +134,14 @@ class RadixCache:
         node, _, values = self._walk(root, tokens, end)
         self._push_if_evictable(node)
         return MatchResult(torch.cat(values) if values else _no_slots(), node)
+
+    def cached_len(self, ns: Namespace, tokens: list[int]) -> int:
+        """How many leading tokens some tier could serve (the device only, here)."""
+        return self.match_prefix(ns, tokens).slots.numel()
+
+    def fetch_lower_tiers(self, ns: Namespace, tokens: list[int], match: MatchResult) -> TierLoad:
+        """Extend a locked device match from lower tiers; there are none here."""
+        return TierLoad(match)
 
     def insert(self, ns: Namespace, tokens: list[int], slots: torch.Tensor) -> int:
         """Store the page-aligned prefix; returns how many leading tokens the tree did not take.
@@ -223,12 +239,16 @@ class RadixCache:
                 continue
             parent = node.parent
             self._evictable -= len(node.key)
+            self._on_evict(node)
             freed += self._remove_leaf(node)
             if parent.parent is None and not parent.children:
                 del self._roots[parent.ns]  # many salts would otherwise leave empty roots behind
             else:
                 self._push_if_evictable(parent)
         return freed
+
+    def _on_evict(self, node: TreeNode) -> None:
+        """Called with a leaf whose slots are about to be freed by eviction (not by retirement)."""
 
     def retire_namespace(self, ns: Namespace) -> None:
         self._retired.add(ns)
