@@ -106,6 +106,8 @@ class HiRadixCache(RadixCache):
 
     def _host_alloc(self, num_tokens: int) -> torch.Tensor | None:
         short = num_tokens - self.host.allocator.available_size()
+        if short > self.host_tree.evictable_size():
+            return None  # would not fit even after evicting every unlocked host page
         if short > 0:
             self.host_tree.evict(short)
         return self.host.allocator.alloc(num_tokens)
@@ -173,6 +175,8 @@ class HiRadixCache(RadixCache):
 
     def _device_alloc(self, num_tokens: int) -> torch.Tensor | None:
         short = num_tokens - self.allocator.available_size()
+        if short > self.evictable_size():
+            return None  # the request computes its prefix instead
         if short > 0:
             self.evict(short)
         return self.allocator.alloc(num_tokens) if num_tokens else None
