@@ -15,7 +15,7 @@ import torch
 from hotswap.engine import Engine
 
 PROMPT_LEN = 130  # matchable prefix 129 tokens: two whole 64-token storage blocks
-GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+GREEDY = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
 POOL_ONE = 200  # a device pool that holds one long prefix (and the running request)
 PATH_TOKENS = PROMPT_LEN + GREEDY["max_new_tokens"] - 1  # KV a finished request leaves cached
 
@@ -25,9 +25,9 @@ def long_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(PROMPT_LEN)] for _ in range(count)]
 
 
-def run(engine: Engine, prompts: list[list[int]]) -> list[dict]:
+def run(engine: Engine, prompts: list[list[int]], params: dict = GREEDY) -> list[dict]:
     """One request at a time, as a cycle of long prompts arrives."""
-    return [engine.generate(input_ids=p, sampling_params=GREEDY, return_logprob=True)
+    return [engine.generate(input_ids=p, sampling_params=params, return_logprob=True)
             for p in prompts]
 
 
@@ -70,9 +70,10 @@ def test_second_pass_hits_the_host_tier_with_cold_outputs(tiny_chat_model_path, 
     assert_same_outputs(first, cold)
     assert_same_outputs(second, cold)
     # Without the host tier the same pool keeps one prefix and the cycle never hits.
+    one = {"max_new_tokens": 1}
     with Engine(tiny_chat_model_path, max_total_tokens=POOL_ONE) as eng:
-        run(eng, prompts)
-        assert [o["meta_info"]["cached_tokens"] for o in run(eng, prompts)] == [0] * 8
+        run(eng, prompts, one)
+        assert [o["meta_info"]["cached_tokens"] for o in run(eng, prompts, one)] == [0] * 8
 
 
 def test_host_tier_evicts_least_recently_used(tiny_chat_model_path, cold):
@@ -188,11 +189,11 @@ def test_integrity_and_outputs_under_pressure(tiny_chat_model_path):
     """Concurrent requests over shared prefixes: evictions, retractions, host loads and LRU on
     a host tier smaller than the working set; outputs as with a large pool, pools conserved."""
     rng = random.Random(11)
-    prefixes = long_prompts(6, seed=13)
-    prompts = [prefixes[rng.randrange(6)][:rng.randrange(60, PROMPT_LEN)]
+    prefixes = long_prompts(5, seed=13)
+    prompts = [prefixes[rng.randrange(5)][:rng.randrange(60, PROMPT_LEN)]
                + [rng.randrange(3, 49152) for _ in range(rng.randrange(4, 20))]
-               for _ in range(24)]
-    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+               for _ in range(14)]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     with Engine(tiny_chat_model_path, max_total_tokens=8192) as eng:
         want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     with Engine(tiny_chat_model_path, max_total_tokens=420, enable_hierarchical_cache=True,
