@@ -217,3 +217,16 @@ def test_hicache_options_are_validated(tiny_chat_model_path, tmp_path):
         Engine(tiny_chat_model_path, enable_hierarchical_cache=True, enable_prefix_cache=False)
     with pytest.raises(ValueError, match="hicache_host_tokens"):
         Engine(tiny_chat_model_path, enable_hierarchical_cache=True, hicache_host_tokens=0)
+
+
+def test_server_flags_reach_the_engine():
+    from hotswap.engine.server.app import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["--model-path", "m", "--enable-hierarchical-cache",
+                                      "--hicache-host-tokens", "4096",
+                                      "--hicache-storage-dir", "/tmp/kv"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["enable_hierarchical_cache"] is True
+    assert (kwargs["hicache_host_tokens"], kwargs["hicache_storage_dir"]) == (4096, "/tmp/kv")
+    assert engine_kwargs(build_parser().parse_args(["--model-path", "m"]))[
+        "enable_hierarchical_cache"] is False

@@ -11,7 +11,9 @@ Invariants (DESIGN.md), kept here and checked by `check_integrity`:
    so an unlocked node has an unlocked subtree.
 
 Ownership protocol (every tree node holds whole pages):
-- Admission: `m = match_prefix(ns, ids)`, then `inc_lock_ref(m.last_node)`. The request borrows
+- Admission: `m = match_prefix(ns, ids)`, then `inc_lock_ref(m.last_node)`, then
+  `m = fetch_lower_tiers(ns, ids, m).match` (HiRadixCache: host/storage KV copied into fresh
+  device slots and inserted; the lock moves to the longer match). The request borrows
   m.slots (p = len(m.slots), a page multiple, is its cached_tokens) and allocates its own slots
   for positions p.. (alloc_extend([p], [-1], ...)). Because p is page aligned those start on fresh
   pages, so a request never shares a page with the tree. Match `ids[:-1]` when the last token

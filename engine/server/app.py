@@ -221,7 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weight-update-timeout-s", type=float, default=300.0)
     e.add_argument("--no-pack-weights", action="store_true",
                    help="CPU float32: no oneDNN-blocked weight copies (half the weight memory)")
+    add_hicache_args(p)
     return p
+
+
+def add_hicache_args(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("hierarchical KV cache (HiCache)")
+    h.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="write evicted prefix KV to a host tier and load it back on a match")
+    h.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="host tier size as a multiple of the device KV pool")
+    h.add_argument("--hicache-host-tokens", type=int, default=None,
+                   help="host tier size in tokens (overrides --hicache-ratio)")
+    h.add_argument("--hicache-storage-dir", default=None,
+                   help="folder of prefix KV files shared by engine processes on this machine")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,7 +248,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 deterministic=args.deterministic, mem_fraction=args.mem_fraction,
                 context_length=args.context_length,
                 weight_update_timeout_s=args.weight_update_timeout_s,
-                pack_weights=not args.no_pack_weights)
+                pack_weights=not args.no_pack_weights,
+                enable_hierarchical_cache=args.enable_hierarchical_cache,
+                hicache_ratio=args.hicache_ratio, hicache_host_tokens=args.hicache_host_tokens,
+                hicache_storage_dir=args.hicache_storage_dir)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:
