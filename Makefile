@@ -20,7 +20,7 @@ model: setup
 	$(BIN)/python -m hotswap.engine.models.fetch
 
 demo: model
-	$(BIN)/python examples/rl_loop.py
+	$(BIN)/python -m hotswap.rollout.grpo
 
 test: model
 	$(BIN)/python -m pytest -q -ra

@@ -1,0 +1,182 @@
+"""TokenClient: token ids in, token ids out, always with logprobs and one weight version per token.
+
+Works over an in-process `Engine` or a `RemoteEngine` (anything with the Engine's `generate`).
+A sample that comes back aborted because someone paused generation for a weight update is
+resubmitted from prompt + tokens so far with the remaining budget (as AReaL does); the tokens it
+already has keep the versions that produced them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+# Aborts that mean "a weight update interrupted you", not "you were cancelled".
+_RESUBMIT_MARKERS = ("generation paused",)
+
+
+@dataclass
+class Completion:
+    """One sample: generated ids with their behaviour logprobs and per-token weight versions."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[str | None]
+    finish_reason: dict[str, Any]
+    cached_tokens: int = 0
+    resubmits: int = 0
+    text: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finish_type(self) -> str:
+        return self.finish_reason.get("type", "abort")
+
+
+def versions_per_token(spans: list[dict], count: int) -> list[str | None]:
+    """Turn the engine's `weight_versions` spans into one version per output position."""
+    out: list[str | None] = [None] * count
+    for span in spans:
+        for i in range(max(0, span["start"]), min(count, span["end"])):
+            out[i] = span["version"]
+    return out
+
+
+class TokenClient:
+    def __init__(self, backend: Any, sampling: dict | None = None, tokenizer: Any = None,
+                 max_resubmits: int = 16):
+        """backend: Engine or RemoteEngine. tokenizer: needed for text/messages rows when the
+        backend has none (a RemoteEngine): a tokenizer object or a path for AutoTokenizer."""
+        if not hasattr(backend, "generate"):
+            raise ValueError("backend must be an Engine or RemoteEngine (has no generate())")
+        self.backend = backend
+        self.sampling = dict(sampling or {})
+        for key in ("n", "stream"):
+            if key in self.sampling:
+                raise ValueError(f"sampling[{key!r}] is set per call by the rollout, not here")
+        self._tokenizer = tokenizer
+        self.max_resubmits = max_resubmits
+        self.cancelled = threading.Event()  # set by collect()/AsyncRollout to stop resubmitting
+        self.stats = {"requests": 0, "resubmits": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "completion_tokens": 0}
+        self._lock = threading.Lock()
+        self._rids = itertools.count()
+        self._prefix = f"tc{id(self):x}"
+        self.inflight: set[str] = set()
+
+    def sibling(self) -> TokenClient:
+        """A client on the same backend, sampling, tokenizer and stats, cancelled on its own."""
+        tokenizer = self.tokenizer if isinstance(self._tokenizer, str) else self._tokenizer
+        other = TokenClient(self.backend, self.sampling, tokenizer, self.max_resubmits)
+        other.stats, other._lock = self.stats, self._lock
+        return other
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = getattr(self.backend, "tokenizer", None)
+        elif isinstance(self._tokenizer, str):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer)
+        if self._tokenizer is None:
+            raise ValueError("tokenizer: this backend has none; pass TokenClient(tokenizer=...)")
+        return self._tokenizer
+
+    def weight_version(self) -> str:
+        return str(self.backend.get_weight_version())
+
+    def encode_row(self, row: dict) -> list[int]:
+        """A row's prompt as ids: `input_ids`, `messages` (chat template) or `prompt` text."""
+        if row.get("input_ids") is not None:
+            ids = row["input_ids"]
+        elif row.get("messages") is not None:
+            ids = self.tokenizer.apply_chat_template(row["messages"], tokenize=True,
+                                                     add_generation_prompt=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        elif row.get("prompt") is not None:
+            ids = self.tokenizer.encode(row["prompt"])
+        else:
+            raise ValueError("row needs one of 'messages', 'prompt', 'input_ids'")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("row: the prompt is empty")
+        return ids
+
+    def generate(self, prompt_ids: list[int] | list[list[int]], n: int = 1,
+                 **sampling: Any) -> list[Completion]:
+        """n samples of each prompt (one request per prompt: its prefill is shared), adjacent."""
+        prompts = [prompt_ids] if prompt_ids and isinstance(prompt_ids[0], int) else prompt_ids
+        params = {**self.sampling, **sampling, "n": n}
+        if self.cancelled.is_set():  # the rollout was called off before this request went out
+            return [Completion([], [], [], {"type": "abort", "message": "cancelled by the rollout"})
+                    for _ in range(len(prompts) * n)]
+        outs = self._call([list(p) for p in prompts], params)
+        comps = [self._completion(o) for o in outs]
+        self._count(len(prompts), prompts, n, comps)
+        for i, comp in enumerate(comps):
+            comps[i] = self._finish_interrupted(prompts[i // n], comp, params)
+        return comps
+
+    def _call(self, prompts: list[list[int]], params: dict) -> list[dict]:
+        rids = [f"{self._prefix}-{next(self._rids)}" for _ in prompts]
+        with self._lock:
+            self.inflight.update(rids)
+        try:
+            outs = self.backend.generate(input_ids=prompts, sampling_params=params,
+                                         return_logprob=True, rid=rids)
+        finally:
+            with self._lock:
+                self.inflight.difference_update(rids)
+        return [outs] if isinstance(outs, dict) else outs
+
+    def abort_inflight(self) -> None:
+        """Stop resubmitting and abort every request this client has in flight."""
+        self.cancelled.set()
+        with self._lock:
+            rids = list(self.inflight)
+        for rid in rids:
+            self.backend.abort_request(rid=rid)
+
+    def _completion(self, out: dict) -> Completion:
+        meta = out["meta_info"]
+        ids = list(out["output_ids"])
+        logprobs = [float(lp) for lp, _ in meta.get("output_token_logprobs", [])]
+        if len(logprobs) != len(ids):
+            raise RuntimeError("the engine returned no logprob for some generated token")
+        return Completion(ids, logprobs, versions_per_token(meta["weight_versions"], len(ids)),
+                          dict(meta["finish_reason"] or {"type": "abort"}),
+                          cached_tokens=int(meta.get("cached_tokens", 0)), text=out["text"])
+
+    def _finish_interrupted(self, prompt: list[int], comp: Completion, params: dict
+                            ) -> Completion:
+        budget = int(params.get("max_new_tokens", 128))
+        while self._should_resubmit(comp) and len(comp.output_ids) < budget:
+            rest = {**params, "n": 1, "max_new_tokens": budget - len(comp.output_ids)}
+            rest["min_new_tokens"] = max(0, rest.get("min_new_tokens", 0) - len(comp.output_ids))
+            more = self._completion(self._call([prompt + comp.output_ids], rest)[0])
+            with self._lock:
+                self.stats["resubmits"] += 1
+                self.stats["completion_tokens"] += len(more.output_ids)
+            comp = Completion(comp.output_ids + more.output_ids, comp.logprobs + more.logprobs,
+                              comp.versions + more.versions, more.finish_reason,
+                              comp.cached_tokens, comp.resubmits + 1, comp.text + more.text)
+        if self._should_resubmit(comp):  # the budget ran out exactly at the interruption
+            comp.finish_reason = {"type": "length", "matched": None, "message": None}
+        return comp
+
+    def _should_resubmit(self, comp: Completion) -> bool:
+        message = comp.finish_reason.get("message") or ""
+        return (comp.finish_type == "abort" and not self.cancelled.is_set()
+                and comp.resubmits < self.max_resubmits
+                and any(m in message for m in _RESUBMIT_MARKERS))
+
+    def _count(self, requests: int, prompts: list[list[int]], n: int,
+               comps: list[Completion]) -> None:
+        with self._lock:
+            self.stats["requests"] += requests
+            self.stats["prompt_tokens"] += sum(len(p) for p in prompts) * n
+            self.stats["cached_tokens"] += sum(c.cached_tokens for c in comps)
+            self.stats["completion_tokens"] += sum(len(c.output_ids) for c in comps)

@@ -1,0 +1,355 @@
+"""GRPO on a verifiable task: a hotswap engine samples, an HF transformers model trains.
+
+python -m hotswap.rollout.grpo [--steps 10] [--transport tensor|gloo] [--async] ...
+
+Each step: `collect` samples a group per prompt (single-digit addition, exact-match reward on the
+last number of the answer), keeps the groups whose rewards differ, and computes GRPO advantages;
+the trainer takes one clipped policy-gradient step with the engine's logprobs as the old
+logprobs; the new weights are pushed into the running engine (in-process with
+`update_weights_from_tensor`, or, with `--transport gloo`, into an engine server process over a
+gloo group by `hotswap.weight_sync.WeightSender`). `--async` samples the next batch while the
+trainer trains (AsyncRollout, staleness bounded by --max-staleness). Metrics go to wandb
+(offline unless WANDB_MODE says otherwise) and to the console as one row per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hotswap.rollout.advantages import nonzero_std
+from hotswap.rollout.agent_loops import SingleTurn
+from hotswap.rollout.client import TokenClient
+from hotswap.rollout.collect import collect
+from hotswap.rollout.rewards import exact_match
+from hotswap.rollout.tracking import Tracker, batch_metrics
+from hotswap.rollout.trajectory import RolloutBatch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hotswap.rollout.grpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None,
+                   help="HF model folder (default: SmolLM2-135M-Instruct, fetched and converted)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (weight pushes)")
+    p.add_argument("--prompts", type=int, default=8, help="groups per training batch")
+    p.add_argument("--group-size", type=int, default=6, help="samples per prompt (GRPO's G)")
+    p.add_argument("--over-sample", type=int, default=4,
+                   help="extra groups started per batch; groups whose rewards are all equal "
+                        "are filtered out and replaced")
+    p.add_argument("--filter", choices=["nonzero_std", "none"], default="nonzero_std",
+                   help="which groups a batch keeps (nonzero_std: rewards that differ)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
+    p.add_argument("--transport", choices=["tensor", "gloo"], default="tensor",
+                   help="tensor: engine in this process, update_weights_from_tensor; gloo: "
+                        "engine server in its own process, WeightSender over a gloo group")
+    p.add_argument("--async", dest="async_mode", action="store_true",
+                   help="sample the next batch while training (AsyncRollout)")
+    p.add_argument("--max-staleness", type=int, default=1,
+                   help="--async: trainable tokens at most this many versions old")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wandb-project", default="hotswap-grpo")
+    p.add_argument("--wandb-dir", default="runs", help="where the wandb run is written")
+    p.add_argument("--samples-per-step", type=int, default=4,
+                   help="completions logged to the wandb samples table per step")
+    p.add_argument("--dtype", default="float32", help="engine and trainer dtype")
+    p.add_argument("--max-total-tokens", type=int, default=16384,
+                   help="engine KV pool in tokens (small: the trainer shares the memory)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if min(args.steps, args.prompts, args.group_size, args.max_new_tokens) < 1:
+        raise SystemExit("--steps, --prompts, --group-size and --max-new-tokens must be >= 1")
+    return args
+
+
+def addition_rows(count: int, seed: int) -> list[dict]:
+    """Single-digit additions: the answer is checked exactly (the last number in the reply)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        question = f"What is {a} + {b}? Reply with just the number."
+        rows.append({"messages": [{"role": "user", "content": question}], "answer": a + b})
+    return rows
+
+
+@dataclass
+class EngineHandle:
+    backend: Any  # Engine or RemoteEngine
+    push: Callable[[list[tuple[str, torch.Tensor]], str], None]
+    close: Callable[[], None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
+    from hotswap.engine import Engine
+
+    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens)
+
+    def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
+        reply = engine.update_weights_from_tensor(named, weight_version=version)
+        if not reply["success"]:
+            raise RuntimeError(f"weight update failed: {reply['message']}")
+
+    return EngineHandle(engine, push, engine.shutdown)
+
+
+def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
+    """The engine as `python -m hotswap.engine.server` in a child process; weights over gloo."""
+    from hotswap.engine import RemoteEngine
+    from hotswap.weight_sync import WeightSender
+
+    port, admin = _free_port(), secrets.token_hex(8)
+    proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", path,
+                             "--port", str(port), "--admin-key", admin, "--dtype", dtype,
+                             "--seed", str(seed), "--max-total-tokens", str(kv_tokens),
+                             "--log-level", "warning"])
+    remote = RemoteEngine(f"http://127.0.0.1:{port}", admin_key=admin)
+    _wait_healthy(remote, proc)
+    sender = WeightSender("127.0.0.1", _free_port(), world_size=2, backend="gloo",
+                          bucket_bytes=32 << 20)
+
+    def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
+        sender.send(named, [remote], weight_version=version)
+
+    def close() -> None:
+        try:
+            sender.close([remote])
+        finally:
+            remote.shutdown()
+            proc.terminate()
+            proc.wait(30)
+
+    return EngineHandle(remote, push, close)
+
+
+def _wait_healthy(remote: Any, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the engine server exited with code {proc.returncode}")
+        try:
+            remote.health()
+            return
+        except Exception:  # not listening yet
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the engine server did not become healthy in time")
+
+
+class Trainer:
+    """An HF causal LM taking clipped policy-gradient steps on RolloutBatches."""
+
+    def __init__(self, path: str, lr: float, clip: float, temperature: float,
+                 micro_batch: int, dtype: str, pad_id: int):
+        import transformers
+
+        torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        self.model.train()
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.clip, self.temperature = clip, temperature
+        self.micro_batch, self.pad_id = micro_batch, pad_id
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step: token-mean clipped surrogate over every trainable token."""
+        t = batch.to_tensors(self.pad_id)
+        total = t["loss_mask"].sum().clamp(min=1)
+        self.optim.zero_grad()
+        sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0}
+        for lo in range(0, len(batch), self.micro_batch):
+            part = {k: v[lo: lo + self.micro_batch] for k, v in t.items()}
+            logp = response_logprobs(self.model, part, self.temperature)
+            mask, old = part["loss_mask"], part["behavior_logprobs"]
+            ratio = torch.exp(logp - old)
+            adv = part["advantages"][:, None]
+            surrogate = torch.minimum(ratio * adv,
+                                      ratio.clamp(1 - self.clip, 1 + self.clip) * adv)
+            loss = -(surrogate * mask).sum() / total
+            loss.backward()
+            diff = (logp.detach() - old) * mask
+            sums["abs_diff"] += diff.abs().sum().item()
+            sums["kl"] += ((torch.exp(-diff) - 1 + diff) * mask).sum().item()  # k3 estimator
+            sums["clipped"] += (((ratio - 1).abs() > self.clip).float() * mask).sum().item()
+            sums["loss"] += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0).item()
+        self.optim.step()
+        n = total.item()
+        return {"mismatch/abs_diff": sums["abs_diff"] / n, "mismatch/kl": sums["kl"] / n,
+                "train/clip_fraction": sums["clipped"] / n, "train/loss": sums["loss"],
+                "train/grad_norm": grad_norm}
+
+
+def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
+                      temperature: float) -> torch.Tensor:
+    """log p(response token | everything before it), [rows, response length]."""
+    ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)
+    attn = t["attention_mask"]
+    positions = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+    p_len, r_len = t["prompt_ids"].shape[1], t["response_ids"].shape[1]
+    logits = logits[:, p_len - 1: p_len + r_len - 1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(2, t["response_ids"][..., None])[..., 0]
+
+
+@contextmanager
+def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
+    start = start_server_process if args.transport == "gloo" else start_in_process
+    handle = start(path, args.dtype, args.seed, args.max_total_tokens)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+def batches(args: argparse.Namespace, client: TokenClient, reward: Any
+            ) -> Iterator[RolloutBatch]:
+    """Synchronous batches: each one sampled from the current weights after the last push."""
+    rows_per_batch = args.prompts + args.over_sample * 3
+    for step in range(args.steps):
+        rows = addition_rows(rows_per_batch, seed=args.seed * 100_003 + step)
+        batch = collect(client, SingleTurn(), rows, group_size=args.group_size, reward=reward,
+                        filter=group_filter(args), target_groups=args.prompts,
+                        over_sample=args.over_sample, seed=args.seed + step)
+        batch.meta["client_stats"] = _take_stats(client)
+        yield batch
+
+
+def group_filter(args: argparse.Namespace) -> Any:
+    return nonzero_std() if args.filter == "nonzero_std" else None
+
+
+def _take_stats(client: TokenClient) -> dict[str, int]:
+    stats = dict(client.stats)
+    for k in client.stats:
+        client.stats[k] = 0
+    return stats
+
+
+def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
+                  ) -> list[tuple[str, str, float, str]]:
+    rows = []
+    for traj in batch.trajectories[:count]:
+        prompt = traj.row["messages"][-1]["content"] if "messages" in traj.row else ""
+        versions = ",".join(sorted({v for v in traj.versions if v is not None}))
+        rows.append((prompt, tokenizer.decode(traj.response_ids, skip_special_tokens=True),
+                     float(traj.reward), versions))
+    return rows
+
+
+def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
+    """Train; returns the per-step metrics and the wandb run folder. reward: default exact match
+    of the addition's answer."""
+    from hotswap.engine.models.fetch import ensure_model
+
+    torch.manual_seed(args.seed)
+    path = ensure_model(args.model_path)
+    started = time.perf_counter()
+    history: list[dict[str, Any]] = []
+    with engine_for(args, path) as handle:
+        client = TokenClient(handle.backend, tokenizer=path, sampling={
+            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+        trainer = Trainer(path, args.lr, args.clip, args.temperature, args.micro_batch,
+                          args.dtype, pad_id=client.tokenizer.pad_token_id or 0)
+        tracker = Tracker(project=args.wandb_project, dir=args.wandb_dir, config=vars(args),
+                          total_steps=args.steps, console=not args.quiet)
+        print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}"
+              f"{', async' if args.async_mode else ''}, {args.prompts} groups x "
+              f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}",
+              flush=True)
+        reward = reward or exact_match()
+        source = (async_batches if args.async_mode else batches)(args, client, reward)
+        for step, batch in enumerate(source):
+            metrics = train_and_push(args, step, batch, trainer, handle, client)
+            history.append(metrics)
+            tracker.log(step, metrics, samples_table(batch, client.tokenizer,
+                                                     args.samples_per_step))
+            if step + 1 >= args.steps:
+                break
+        source.close()
+        run_dir = tracker.finish()
+    wall = time.perf_counter() - started
+    key = "reward/sampled_mean" if "reward/sampled_mean" in history[0] else "reward/mean"
+    print(f"done in {wall:.0f} s; final weight version {args.steps}; mean reward of all sampled "
+          f"groups: first 3 steps {_mean(h.get(key, math.nan) for h in history[:3]):.3f}, "
+          f"last 3 steps {_mean(h.get(key, math.nan) for h in history[-3:]):.3f}")
+    print(f"wandb run ({tracker.mode}) written to {run_dir}")
+    return {"history": history, "run_dir": run_dir, "wall_s": wall}
+
+
+def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, trainer: Trainer,
+                   handle: EngineHandle, client: TokenClient) -> dict[str, Any]:
+    version = int(client.weight_version())
+    metrics: dict[str, Any] = {"weight_version": version, **batch_metrics(batch, version)}
+    metrics["time/rollout_s"] = batch.meta.get("wait_s", batch.meta.get("seconds", math.nan))
+    start = time.perf_counter()
+    if len(batch):  # every group filtered out and no rows left: nothing to learn from
+        metrics.update(trainer.step(batch))
+    metrics["time/train_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    handle.push(trainer.named_weights(), str(step + 1))
+    metrics["time/weight_sync_s"] = time.perf_counter() - start
+    groups = batch.meta.get("groups", {})
+    metrics["batch/groups_filtered"] = float(groups.get("filtered", 0))
+    return metrics
+
+
+def async_batches(args: argparse.Namespace, client: TokenClient, reward: Any
+                  ) -> Iterator[RolloutBatch]:
+    from hotswap.rollout.async_rollout import AsyncRollout
+
+    rows = addition_rows(args.prompts * (args.steps + 4) * 2, seed=args.seed)
+    runner = AsyncRollout(client, SingleTurn(), rows, group_size=args.group_size,
+                          batch_groups=args.prompts, reward=reward, filter=group_filter(args),
+                          max_staleness=args.max_staleness, seed=args.seed)
+    runner.start()
+    try:
+        while True:
+            start = time.perf_counter()
+            batch = runner.get_batch()
+            batch.meta["wait_s"] = time.perf_counter() - start
+            batch.meta["client_stats"] = _take_stats(client)
+            yield batch
+    finally:
+        runner.stop()
+
+
+def _mean(values: Any) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

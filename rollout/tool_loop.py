@@ -1,0 +1,198 @@
+"""ToolLoop: multi-turn agent rollouts with tool calls, on token state.
+
+Each turn the model's tokens are appended as generated (loss mask 1, engine logprobs and
+versions). The template's turn-closing tokens and the tool messages are appended with loss mask 0
+as token deltas of the chat template: the template is rendered for a fixed base conversation
+with and without the new messages, and only the difference is tokenized. The conversation is
+never re-rendered and the model's tokens are never re-tokenized (re-tokenizing drifts: verl saw
+PPO stop converging).
+
+Finish reasons: "stop" (the model answered without a tool call), "length" (its last turn hit
+max_new_tokens without a call), "max_turns" (it still called tools after max_turns turns),
+"max_tokens" (the response, tool tokens included, reached max_tokens), "abort".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hotswap.rollout.client import Completion, TokenClient
+from hotswap.rollout.trajectory import Trajectory
+
+ToolCall = tuple[str, Any]  # (name, arguments) or ("", error message) for an unparsable call
+_BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+_MARK = "\u2063MARK\u2063"
+
+
+def hermes_tool_calls(text: str) -> list[ToolCall]:
+    """Calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen)."""
+    calls: list[ToolCall] = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
+        try:
+            call = json.loads(body)
+            calls.append((str(call["name"]), call.get("arguments", {})))
+        except (ValueError, KeyError, TypeError) as exc:
+            calls.append(("", f"could not parse tool call {body.strip()!r}: {exc}"))
+    return calls
+
+
+class TemplateDeltas:
+    """Token deltas of a chat template, computed once per tokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        closed = self._render([*_BASE, {"role": "assistant", "content": _MARK}], False)
+        self.closing_text = closed[closed.index(_MARK) + len(_MARK):]
+        self.closing = self._encode(self.closing_text)
+        self._base_closed = closed.replace(_MARK, "")
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def close_turn(self, generated: list[int]) -> list[int]:
+        """Template tokens that close an assistant turn, minus those the model produced."""
+        k = len(self.closing)
+        while k and generated[len(generated) - k:] != self.closing[:k]:
+            k -= 1
+        return self.closing[k:]
+
+    def generation_prompt(self) -> list[int]:
+        """Tokens that open an assistant turn after a closed message."""
+        return self._suffix(self._render(_BASE, False), self._render(_BASE, True))
+
+    def message(self, msg: dict) -> list[int]:
+        """Tokens of one more (closed) message after a closed message."""
+        return self._suffix(self._render(_BASE, False), self._render([*_BASE, msg], False))
+
+    def _suffix(self, base: str, full: str) -> list[int]:
+        if not full.startswith(base):
+            raise ValueError("chat template: appending messages changes the rendered prefix; "
+                             "token deltas are not possible with this template")
+        return self._encode(full[len(base):])
+
+    def messages(self, new: list[dict]) -> list[int]:
+        """Tokens the template adds for `new` messages after a closed assistant turn, up to and
+        including the next assistant generation prompt."""
+        base = [*_BASE, {"role": "assistant", "content": ""}]
+        return self._suffix(self._base_closed, self._render([*base, *new], True))
+
+
+class ToolLoop:
+    def __init__(self, tools: dict[str, Callable[..., Any]], max_turns: int = 8,
+                 max_tokens: int = 2048, tool_timeout_s: float = 10.0,
+                 parse: Callable[[str], list[ToolCall]] = hermes_tool_calls,
+                 tool_role: str = "tool", **sampling: Any):
+        """tools: name -> fn(**arguments) (or fn(arguments) when the arguments are not a dict);
+        its return value (str(), or JSON for dicts/lists) is the tool message. max_tokens: the
+        response budget, tool tokens included. sampling: per-turn params (max_new_tokens ...)."""
+        if max_turns < 1 or max_tokens < 1:
+            raise ValueError("max_turns and max_tokens must be >= 1")
+        self.tools, self.max_turns, self.max_tokens = dict(tools), max_turns, max_tokens
+        self.tool_timeout_s, self.parse, self.tool_role = tool_timeout_s, parse, tool_role
+        self.sampling = sampling
+        self._deltas: dict[int, TemplateDeltas] = {}
+
+    def deltas(self, tokenizer: Any) -> TemplateDeltas:
+        if id(tokenizer) not in self._deltas:
+            self._deltas[id(tokenizer)] = TemplateDeltas(tokenizer)
+        return self._deltas[id(tokenizer)]
+
+    def run_group(self, client: TokenClient, row: dict, group_size: int, group_id: int,
+                  seed: int | None = None) -> list[Trajectory]:
+        prompt = client.encode_row(row)
+        deltas = self.deltas(client.tokenizer)
+        trajs = [Trajectory(prompt_ids=prompt, group_id=group_id, sample_idx=k, row=row,
+                            num_turns=0, messages=list(row.get("messages", [])))
+                 for k in range(group_size)]
+        params = {**self.sampling, **row.get("sampling", {})}
+        if seed is not None:
+            params.setdefault("seed", seed)
+        active = list(trajs)
+        for turn in range(self.max_turns):
+            comps = self._generate(client, prompt, active, turn, params)
+            active = [t for t, c in zip(active, comps)
+                      if self._after_turn(client, deltas, t, c, turn)]
+            if not active:
+                break
+        return trajs
+
+    def _generate(self, client: TokenClient, prompt: list[int], active: list[Trajectory],
+                  turn: int, params: dict) -> list[Completion]:
+        per_turn = int(params.get("max_new_tokens", client.sampling.get("max_new_tokens", 128)))
+        room = min(self.max_tokens - len(t.response_ids) for t in active)
+        turn_params = {**params, "max_new_tokens": max(1, min(per_turn, room))}
+        if turn == 0:  # one request with n=G: the prompt is prefilled once
+            return client.generate(prompt, n=len(active), **turn_params)
+        if "seed" in turn_params:
+            turn_params["seed"] = turn_params["seed"] * 7919 + turn
+        return client.generate([prompt + t.response_ids for t in active], n=1, **turn_params)
+
+    def _after_turn(self, client: TokenClient, deltas: TemplateDeltas, traj: Trajectory,
+                    comp: Completion, turn: int) -> bool:
+        """Append this turn; run its tool calls. True when the conversation continues."""
+        tok = client.tokenizer
+        traj.append_generated(comp.output_ids, comp.logprobs, comp.versions)
+        traj.num_turns = turn + 1
+        content_ids = comp.output_ids[: len(comp.output_ids) - _closing_overlap(
+            deltas, comp.output_ids)]
+        content = tok.decode(content_ids, skip_special_tokens=False)
+        traj.text = tok.decode(content_ids, skip_special_tokens=True)
+        traj.messages.append({"role": "assistant", "content": content})
+        if comp.finish_type == "abort":
+            traj.finish_reason = "abort"
+            return False
+        traj.append_context(deltas.close_turn(comp.output_ids))
+        calls = self.parse(traj.text)
+        if not calls:
+            traj.finish_reason = "stop" if comp.finish_type == "stop" else "length"
+            return False
+        if turn + 1 >= self.max_turns:
+            traj.finish_reason = "max_turns"
+            return False
+        results = [{"role": self.tool_role, "content": self.run_tool(name, args)}
+                   for name, args in calls]
+        tool_ids = deltas.messages(results)
+        if len(traj.response_ids) + len(tool_ids) >= self.max_tokens:
+            traj.finish_reason = "max_tokens"
+            return False
+        traj.append_context(tool_ids)
+        traj.messages += results
+        return True
+
+    def run_tool(self, name: str, args: Any) -> str:
+        """The tool's result as text; any failure becomes an error message for the model."""
+        if not name:
+            return f"Error: {args}"
+        if name not in self.tools:
+            return f"Error: unknown tool {name!r}; available: {sorted(self.tools)}"
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                fn = self.tools[name]
+                box["out"] = fn(**args) if isinstance(args, dict) else fn(args)
+            except Exception as exc:  # the model sees the error and can retry
+                box["err"] = f"Error: {type(exc).__name__}: {exc}"
+
+        worker = threading.Thread(target=call, daemon=True, name=f"tool-{name}")
+        worker.start()
+        worker.join(self.tool_timeout_s)
+        if worker.is_alive():
+            return f"Error: tool {name!r} timed out after {self.tool_timeout_s}s"
+        if "err" in box:
+            return box["err"]
+        out = box.get("out")
+        return out if isinstance(out, str) else json.dumps(out)
+
+
+def _closing_overlap(deltas: TemplateDeltas, generated: list[int]) -> int:
+    """How many of the template's closing tokens the model generated itself (e.g. its eos)."""
+    return len(deltas.closing) - len(deltas.close_turn(generated))

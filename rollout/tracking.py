@@ -1,0 +1,127 @@
+"""Tracker: per-step metrics and sample completions to wandb (offline by default), and the
+console: one table row per step under a progress bar over the run's steps.
+
+`WANDB_MODE` is respected when set; otherwise the run is written offline under `dir`
+(`wandb sync <run dir>` uploads it later). No network is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+from hotswap.rollout.trajectory import RolloutBatch
+
+# Console columns: (metric key, header, width, format spec).
+COLUMNS = [
+    ("step", "step", 4, ".0f"), ("weight_version", "version", 7, ""),
+    ("reward/sampled_mean", "reward", 6, ".3f"), ("reward/mean", "kept r", 6, ".3f"),
+    ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
+    ("rollout/cache_hit_rate", "cache", 5, ".2f"), ("staleness/version_lag_max", "lag", 3, ".0f"),
+    ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
+    ("time/rollout_s", "roll s", 6, ".1f"), ("time/train_s", "train s", 7, ".1f"),
+    ("time/weight_sync_s", "sync s", 6, ".2f"),
+]
+
+
+class Tracker:
+    def __init__(self, project: str = "hotswap", mode: str | None = None, dir: str | None = None,
+                 config: dict | None = None, name: str | None = None,
+                 total_steps: int | None = None, console: bool = True):
+        import wandb
+
+        self.mode = mode or os.environ.get("WANDB_MODE") or "offline"
+        os.makedirs(dir or ".", exist_ok=True)
+        self.run = wandb.init(project=project, mode=self.mode, dir=dir, config=config or {},
+                              name=name, reinit="finish_previous",
+                              settings=wandb.Settings(console="off", silent=True))
+        self._wandb = wandb
+        self.table = wandb.Table(columns=["step", "prompt", "completion", "reward",
+                                          "weight_versions"])
+        self.console = console
+        self.bar = None
+        if console:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="grpo", unit="step", file=sys.stderr,
+                            leave=True, dynamic_ncols=True)
+        self._header_done = False
+
+    @property
+    def run_dir(self) -> str:
+        """The folder wandb writes this run to (offline: `.../wandb/offline-run-*`)."""
+        return os.path.dirname(self.run.dir)
+
+    def log(self, step: int, metrics: dict[str, Any],
+            samples: list[tuple[str, str, float, str]] | None = None) -> None:
+        """Log one step's metrics; samples: (prompt, completion, reward, versions) rows."""
+        for row in samples or []:
+            self.table.add_data(step, *row)
+        payload = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if samples:
+            payload["samples"] = self._wandb.Table(columns=self.table.columns,
+                                                   data=self.table.data)
+        self.run.log(payload, step=step)
+        if self.console:
+            self._print_row({"step": step, **metrics})
+
+    def _print_row(self, metrics: dict[str, Any]) -> None:
+        cols = [c for c in COLUMNS if c[0] in metrics]
+        if not self._header_done:
+            self._write(" ".join(f"{h:>{w}}" for _, h, w, _ in cols))
+            self._header_done = True
+        self._write(" ".join(_fmt(metrics[k], w, spec) for k, _, w, spec in cols))
+        if self.bar is not None:
+            self.bar.update(1)
+            reward = metrics.get("reward/sampled_mean", metrics.get("reward/mean", math.nan))
+            self.bar.set_postfix(reward=f"{reward:.3f}")
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def finish(self) -> str:
+        if self.bar is not None:
+            self.bar.close()
+        run_dir = self.run_dir
+        self.run.finish()
+        return run_dir
+
+
+def _fmt(value: Any, width: int, spec: str) -> str:
+    try:
+        return format(value, f">{width}{spec}")
+    except (ValueError, TypeError):
+        return f"{value!s:>{width}}"
+
+
+def batch_metrics(batch: RolloutBatch, engine_version: int | None = None) -> dict[str, float]:
+    """Reward, length, cache and staleness figures of one batch."""
+    rewards = [r for r in batch.rewards if not math.isnan(r)]
+    mean = sum(rewards) / len(rewards) if rewards else math.nan
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else math.nan
+    lengths = [sum(m) for m in batch.loss_mask]
+    out = {"reward/mean": mean, "reward/std": std, "reward/nan_fraction":
+           1 - len(rewards) / max(1, len(batch)),
+           "response/length": sum(lengths) / max(1, len(lengths)),
+           "response/finished_fraction": sum(f == "stop" for f in batch.finish_reason)
+           / max(1, len(batch)), "batch/trajectories": float(len(batch))}
+    scored = [r for r in batch.meta.get("scored_rewards", []) if not math.isnan(r)]
+    if scored:  # every group sampled this step, before the filter kept some
+        out["reward/sampled_mean"] = sum(scored) / len(scored)
+    versions = [int(v) for row in batch.weight_versions for v in row
+                if v is not None and str(v).isdigit()]
+    if engine_version is not None and versions:
+        out["staleness/version_lag_max"] = float(engine_version - min(versions))
+        out["staleness/version_lag_mean"] = engine_version - sum(versions) / len(versions)
+    stats = batch.meta.get("client_stats")
+    if stats and stats.get("prompt_tokens"):
+        out["rollout/cache_hit_rate"] = stats["cached_tokens"] / stats["prompt_tokens"]
+    if batch.meta.get("seconds"):
+        out["rollout/tokens_per_s"] = sum(len(r) for r in batch.response_ids) / batch.meta[
+            "seconds"]
+    return out

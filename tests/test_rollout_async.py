@@ -1,0 +1,132 @@
+"""AsyncRollout against a tiny engine that gets a weight update after every batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures import write_tiny_chat_model
+from safetensors.torch import load_file
+
+from hotswap.engine import Engine
+from hotswap.rollout import SingleTurn, TokenClient
+from hotswap.rollout.async_rollout import AsyncRollout
+
+SHORT = {"max_new_tokens": 3}
+LONG = {"max_new_tokens": 120}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return write_tiny_chat_model(str(tmp_path_factory.mktemp("async-chat")))
+
+
+@pytest.fixture
+def engine(model_path):
+    with Engine(model_path, device="cpu", max_total_tokens=8192) as eng:
+        yield eng
+
+
+def push(engine: Engine, model_path: str, step: int) -> None:
+    """A new version: the original weights scaled a little differently each time."""
+    tensors = load_file(f"{model_path}/model.safetensors")
+    scale = 1.0 + 0.05 * (step + 1)
+    assert engine.update_weights_from_tensor([(k, v * scale) for k, v in tensors.items()])[
+        "success"]
+
+
+def adds_up(acc: dict) -> bool:
+    return acc["started"] == (acc["accepted"] + acc["filtered"] + sum(acc["dropped"].values())
+                              + acc["ready"] + acc["running"])
+
+
+def varied(traj) -> float:
+    return float(traj.sample_idx % 2)
+
+
+def test_staleness_bound_and_accounting_with_an_update_every_step(engine, model_path):
+    client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True,
+                                           "max_new_tokens": 24})
+    rows = [{"prompt": f"Numbers {i} and"} for i in range(5)]
+    runner = AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
+                          reward=varied, max_staleness=1)
+    with runner:
+        for step in range(4):
+            batch = runner.get_batch(timeout=120)
+            handed_at = batch.meta["weight_version"]
+            assert handed_at == step == int(engine.get_weight_version())
+            assert len(batch) == 4 and batch.num_groups == 2
+            for versions, mask in zip(batch.weight_versions, batch.loss_mask):
+                for v, m in zip(versions, mask):
+                    assert m == 1 and handed_at - int(v) <= 1  # never more than 1 behind
+            assert batch.meta["staleness"]["max_lag"] <= 1
+            assert adds_up(batch.meta["accounting"])
+            # the gate: never more than (max_staleness + version + 1) batches admitted
+            acc = batch.meta["accounting"]
+            assert acc["accepted"] + acc["ready"] + acc["running"] <= (1 + step + 1) * 2
+            push(engine, model_path, step)
+    acc = runner.accounting()
+    assert acc["accepted"] == 8 and acc["running"] == 0 and adds_up(acc)
+    with pytest.raises(TimeoutError):
+        AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
+                     max_staleness=0).get_batch(timeout=0.2)  # never started
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_unfinished_groups_are_carried_or_resampled(engine, model_path, partial):
+    client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True})
+    rows = [{"prompt": "Hello", "sampling": SHORT, "kind": "short"},
+            {"prompt": "A long one", "sampling": LONG, "kind": "long"}]
+    runner = AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=1,
+                          max_staleness=1, partial=partial, max_concurrent_groups=2)
+    seen_long = []
+    with runner:
+        first = runner.get_batch(timeout=60)
+        assert first.trajectories[0].row["kind"] == "short"
+        push(engine, model_path, 0)  # the long group is in flight across this update
+        for _ in range(6):
+            batch = runner.get_batch(timeout=120)
+            seen_long += [t for t in batch.trajectories if t.row["kind"] == "long"]
+            if seen_long:
+                break
+    acc = runner.accounting()
+    assert adds_up(acc)
+    assert seen_long
+    if partial:
+        assert acc["carried"] >= 1 and not acc["dropped"].get("unfinished at hand-out")
+        carried = seen_long[0]
+        assert carried.group_id == 1  # the very group that was running at the first hand-out
+        assert carried.versions[0] == "0" and carried.versions[-1] == "1"  # split, labelled
+        assert carried.versions == sorted(carried.versions)
+        assert len(carried.response_ids) == 120
+    else:
+        assert acc["dropped"]["unfinished at hand-out"] >= 1 and acc["carried"] == 0
+        assert all(v == "1" for t in seen_long for v in t.versions)  # sampled again
+
+
+@pytest.mark.parametrize("stale", ["mask", "drop"])
+def test_tokens_two_versions_old_are_masked_or_dropped(engine, model_path, stale):
+    client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True})
+    rows = [{"prompt": "Hello", "sampling": SHORT, "kind": "short"},
+            {"prompt": "A long one", "sampling": LONG, "kind": "long"}]
+    runner = AsyncRollout(client, SingleTurn(), rows, group_size=1, batch_groups=1,
+                          max_staleness=1, partial=True, stale=stale, max_concurrent_groups=2)
+    longs = []
+    with runner:
+        runner.get_batch(timeout=60)
+        push(engine, model_path, 0)  # two updates while the long group runs: its first
+        push(engine, model_path, 1)  # tokens are now two versions old
+        for _ in range(6):
+            batch = runner.get_batch(timeout=120)
+            longs = [i for i, t in enumerate(batch.trajectories) if t.row["kind"] == "long"]
+            if longs or runner.accounting()["dropped"].get("stale"):
+                break
+    acc = runner.accounting()
+    assert adds_up(acc)
+    if stale == "drop":
+        assert acc["dropped"]["stale"] == 1 and not longs
+        return
+    i = longs[0]
+    mask, versions = batch.loss_mask[i], batch.weight_versions[i]
+    assert 0 < sum(mask) < len(mask)  # the version-0 prefix was masked, the rest kept
+    assert all((m == 1) == (v in ("1", "2")) for m, v in zip(mask, versions))
+    assert torch.tensor(batch.behavior_logprobs[i])[torch.tensor(mask) == 0].abs().sum() == 0
