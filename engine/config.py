@@ -123,6 +123,13 @@ class EngineConfig:
     launcher: str = "spawn"
     max_lora_rank: int = 64  # the largest LoRA rank an adapter may have
     max_loras_per_batch: int = 8  # distinct adapters in one step; also the adapter pool's slots
+    # HiCache (engine/kvcache/hiradix_cache.py): evicted prefix pages go to a host tier of
+    # hicache_host_tokens slots (None: hicache_ratio x the device pool) and, with a
+    # hicache_storage_dir, to files that engine processes on one machine share.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_host_tokens: int | None = None
+    hicache_storage_dir: str | None = None
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
@@ -146,9 +153,25 @@ class EngineConfig:
                 f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        self._check_hicache()
         context = self.context_length or model.max_position_embeddings
         return replace(self, device=device, dtype=dtype, attention_backend=backend,
                        context_length=context)
+
+    def _check_hicache(self) -> None:
+        if not self.enable_hierarchical_cache:
+            for name in ("hicache_host_tokens", "hicache_storage_dir"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs enable_hierarchical_cache=True")
+            return
+        if not self.enable_prefix_cache or self.deterministic:
+            raise ValueError("enable_hierarchical_cache needs the prefix cache "
+                             "(enable_prefix_cache=True, deterministic=False)")
+        if self.hicache_host_tokens is not None and self.hicache_host_tokens < self.page_size:
+            raise ValueError(f"hicache_host_tokens must be at least one page ({self.page_size} "
+                             f"tokens), got {self.hicache_host_tokens}")
+        if not self.hicache_ratio > 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

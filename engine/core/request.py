@@ -84,6 +84,8 @@ class Req:
     finish_reason: FinishReason | None = None
     num_retractions: int = 0
     cached_tokens: int = 0
+    cached_from_host: int = 0  # of cached_tokens, copied back from the HiCache host tier
+    cached_from_storage: int = 0  # ... and read from the HiCache storage tier
 
     # KV state, owned by the scheduler
     namespace: Namespace | None = None

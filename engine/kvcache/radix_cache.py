@@ -11,7 +11,9 @@ Invariants (DESIGN.md), kept here and checked by `check_integrity`:
    so an unlocked node has an unlocked subtree.
 
 Ownership protocol (every tree node holds whole pages):
-- Admission: `m = match_prefix(ns, ids)`, then `inc_lock_ref(m.last_node)`. The request borrows
+- Admission: `m = match_prefix(ns, ids)`, then `inc_lock_ref(m.last_node)`, then
+  `m = fetch_lower_tiers(ns, ids, m).match` (HiRadixCache: host/storage KV copied into fresh
+  device slots and inserted; the lock moves to the longer match). The request borrows
   m.slots (p = len(m.slots), a page multiple, is its cached_tokens) and allocates its own slots
   for positions p.. (alloc_extend([p], [-1], ...)). Because p is page aligned those start on fresh
   pages, so a request never shares a page with the tree. Match `ids[:-1]` when the last token
@@ -70,6 +72,14 @@ class MatchResult(NamedTuple):
     last_node: TreeNode  # deepest matched node: lock it while the request runs
 
 
+class TierLoad(NamedTuple):
+    """A device match after lower cache tiers (host, storage) extended it (HiRadixCache)."""
+
+    match: MatchResult
+    host_tokens: int = 0  # of match.slots, tokens copied back from the host tier
+    storage_tokens: int = 0  # ... and read from the storage tier
+
+
 def _no_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
@@ -120,6 +130,14 @@ class RadixCache:
         node, _, values = self._walk(root, tokens, end)
         self._push_if_evictable(node)
         return MatchResult(torch.cat(values) if values else _no_slots(), node)
+
+    def cached_len(self, ns: Namespace, tokens: list[int]) -> int:
+        """How many leading tokens some tier could serve (the device only, here)."""
+        return self.match_prefix(ns, tokens).slots.numel()
+
+    def fetch_lower_tiers(self, ns: Namespace, tokens: list[int], match: MatchResult) -> TierLoad:
+        """Extend a locked device match from lower tiers; there are none here."""
+        return TierLoad(match)
 
     def insert(self, ns: Namespace, tokens: list[int], slots: torch.Tensor) -> int:
         """Store the page-aligned prefix; returns how many leading tokens the tree did not take.
@@ -207,6 +225,7 @@ class RadixCache:
                 continue
             parent = node.parent
             self._evictable -= len(node.key)
+            self._on_evict(node)
             freed += self._remove_leaf(node)
             if parent.parent is None and not parent.children:
                 del self._roots[parent.ns]  # many salts would otherwise leave empty roots behind
@@ -219,6 +238,9 @@ class RadixCache:
         for ns in list(self._roots):
             if predicate(ns):
                 self.retire_namespace(ns)
+
+    def _on_evict(self, node: TreeNode) -> None:
+        """Called with a leaf whose slots are about to be freed by eviction (not by retirement)."""
 
     def retire_namespace(self, ns: Namespace) -> None:
         """`ns` never matches and is never stored again; its unlocked KV is freed now."""

@@ -44,7 +44,7 @@ class KVManager:
         return self.allocator.available_size() + self.tree.evictable_size()
 
     def match_len(self, ns: Namespace, req: Req) -> int:
-        return self.tree.match_prefix(ns, self._matchable(req)).slots.numel()
+        return self.tree.cached_len(ns, self._matchable(req))
 
     def _matchable(self, req: Req) -> list[int]:
         # At least one token is always recomputed: its logits sample the next token.
@@ -67,10 +67,15 @@ class KVManager:
         ids = self._matchable(req)
         match = self.tree.match_prefix(ns, ids)
         self.tree.inc_lock_ref(match.last_node)
+        loaded = self.tree.fetch_lower_tiers(ns, ids, match)  # HiCache: host / storage KV
+        match = loaded.match
         req.namespace, req.req_pool_idx, req.last_node = ns, row, match.last_node
         req.kv_slots = torch.cat((match.slots, self._peer_slots(ids, ns, match.slots.numel(),
                                                                 peers)))
         req.tree_prefix_len = req.kv_len
+        if req.kv_len >= req.cached_tokens:
+            req.cached_from_host = loaded.host_tokens
+            req.cached_from_storage = loaded.storage_tokens
         req.cached_tokens = max(req.cached_tokens, req.kv_len)
         self.req_to_token.write(row, 0, req.kv_slots)
         return True

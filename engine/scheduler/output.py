@@ -109,6 +109,9 @@ class OutputProcessor:
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
+            "cached_tokens_details": {
+                "device": req.cached_tokens - req.cached_from_host - req.cached_from_storage,
+                "host": req.cached_from_host, "storage": req.cached_from_storage},
             "weight_version": req.version_spans[-1].version if req.version_spans else None,
             "weight_versions": [_span(s) for s in req.version_spans],
             "num_retractions": req.num_retractions,

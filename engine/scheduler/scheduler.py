@@ -26,7 +26,7 @@ from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
-from hotswap.engine.kvcache.radix_cache import RadixCache
+from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.control import SchedulerControl
 from hotswap.engine.scheduler.kv_manager import KVManager
@@ -45,8 +45,8 @@ class Scheduler(SchedulerControl):
         self.runner = runner
         self.outputs = outputs
         self.weight_version = weight_version
-        self.tree = RadixCache(runner.allocator, config.page_size,
-                               disable=not config.enable_prefix_cache or config.deterministic)
+        self.tree = make_radix_cache(config, runner.allocator, runner.kv_pool,
+                                     runner.model.parameters, weight_version)
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
                             config.page_size)
         self.sampler = Sampler()

@@ -253,7 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep a host copy of the weights across release_memory_occupation")
     e.add_argument("--no-check-weights-finite", action="store_true",
                    help="skip the NaN/inf check of weight updates (saves one pass over the data)")
+    add_hicache_args(p)
     return p
+
+
+def add_hicache_args(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("hierarchical KV cache (HiCache)")
+    h.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="write evicted prefix KV to a host tier and load it back on a match")
+    h.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="host tier size as a multiple of the device KV pool")
+    h.add_argument("--hicache-host-tokens", type=int, default=None,
+                   help="host tier size in tokens (overrides --hicache-ratio)")
+    h.add_argument("--hicache-storage-dir", default=None,
+                   help="folder of prefix KV files shared by engine processes on this machine")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,7 +282,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 weight_update_timeout_s=args.weight_update_timeout_s,
                 pack_weights=not args.no_pack_weights,
                 enable_weights_cpu_backup=args.enable_weights_cpu_backup,
-                check_weights_finite=not args.no_check_weights_finite)
+                check_weights_finite=not args.no_check_weights_finite,
+                enable_hierarchical_cache=args.enable_hierarchical_cache,
+                hicache_ratio=args.hicache_ratio, hicache_host_tokens=args.hicache_host_tokens,
+                hicache_storage_dir=args.hicache_storage_dir)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:
