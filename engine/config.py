@@ -114,6 +114,7 @@ class EngineConfig:
     # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
     # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
     pack_weights: bool = True
+    grammar_backend: str = "xgrammar"  # "xgrammar" | "none" (grammar requests refused)
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

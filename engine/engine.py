@@ -22,7 +22,6 @@ from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.weight_manager import WeightManager
 
-_GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
 _PAUSE_MODES = ("abort", "retract", "in_place")
 _MEMORY_TAGS = ("weights", "kv_cache")
 
@@ -171,6 +170,7 @@ class Engine:
         for ids, p, salt, lora, r in zip(prompts, params, salts, loras, rids):
             sp = SamplingParams.from_dict(p)
             self._check_request(ids, sp, lora)
+            grammar_job = self.scheduler.grammars.request_grammar(sp)  # ValueError if bad
             base = r or uuid.uuid4().hex
             leader = None
             for k in range(sp.n):
@@ -178,7 +178,8 @@ class Engine:
                     rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
                     params=sp.for_sample(k), return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, cache_salt=salt, stream=stream,
-                    group_leader=leader, created=time.perf_counter()))
+                    group_leader=leader, created=time.perf_counter(),
+                    grammar=self.scheduler.grammars.for_sample(grammar_job)))
                 leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
 
@@ -241,10 +242,6 @@ class Engine:
         sp.check_vocab(vocab)
         if lora is not None:
             raise ValueError(f"lora_name {lora!r}: no LoRA adapter is loaded")
-        for key in _GRAMMAR_KEYS:
-            if getattr(sp, key) is not None:
-                raise ValueError(f"sampling param '{key}': grammar-constrained decoding is not "
-                                 "available in this build")
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         self.scheduler.abort(rid, abort_all)

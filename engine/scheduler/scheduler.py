@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.radix_cache import RadixCache
 from hotswap.engine.scheduler.kv_manager import KVManager
 from hotswap.engine.scheduler.output import OutputProcessor
@@ -46,6 +48,10 @@ class Scheduler:
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
                             config.page_size)
         self.sampler = Sampler()
+        self.grammars = GrammarManager(config.grammar_backend, outputs.tokenizer,
+                                       runner.model_config.vocab_size, outputs.eos_ids,
+                                       runner.device)
+        self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)
         self.ratio = NewTokenRatio()
         self.waiting: list[Req] = []
@@ -56,7 +62,7 @@ class Scheduler:
         self.paused = False
         self.hold_admission = False  # set while a flush waits for running requests to drain
         self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "cached_tokens": 0, "steps": 0}
+                      "cached_tokens": 0, "steps": 0, "step_s": 0.0}
         self._admit_counter = 0
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
@@ -69,6 +75,7 @@ class Scheduler:
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
+        self.grammars.shutdown()
 
     def submit(self, reqs: list[Req]) -> None:
         self._inbox.put(("reqs", reqs))
@@ -136,11 +143,12 @@ class Scheduler:
                     self.finish(req, FinishReason("length"))
                     continue
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
-                leader = req.group_leader
-                if leader is not None and not self.tree.disable and not leader.finished:
-                    self.forks.setdefault(leader.rid, []).append(req)
+                if req.grammar is not None and not req.grammar.ready:
+                    self._wait_for_grammar(req)
                 else:
-                    self.waiting.append(req)
+                    self._enqueue(req)
+        elif kind == "grammar":
+            self._grammars_ready()
         elif kind == "abort":
             self._abort(*payload)
         elif kind == "call":
@@ -150,6 +158,28 @@ class Scheduler:
                     future.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - delivered to the caller
                     future.set_exception(exc)
+
+    def _enqueue(self, req: Req) -> None:
+        leader = req.group_leader
+        if leader is not None and not self.tree.disable and not leader.finished:
+            self.forks.setdefault(leader.rid, []).append(req)
+        else:
+            self.waiting.append(req)
+
+    def _wait_for_grammar(self, req: Req) -> None:
+        """Park `req` until its grammar compiles (on the grammar worker); others keep stepping."""
+        self.grammar_queue.append(req)
+        req.grammar.job.add_done_callback(lambda _: self._inbox.put(("grammar", None)))
+
+    def _grammars_ready(self) -> None:
+        ready = [r for r in self.grammar_queue if r.grammar.ready]
+        self.grammar_queue = [r for r in self.grammar_queue if not r.grammar.ready]
+        for req in ready:
+            error = req.grammar.error()
+            if error is not None:
+                self.finish(req, FinishReason("abort", message=error))
+            else:
+                self._enqueue(req)
 
     def _abort(self, rid: str | None, abort_all: bool) -> None:
         def hit(req: Req) -> bool:
@@ -163,6 +193,9 @@ class Scheduler:
                 del self.forks[leader_rid]
         for req in [r for r in self.waiting if hit(r)]:
             self.waiting.remove(req)
+            self.finish(req, FinishReason("abort", message="aborted by request"))
+        for req in [r for r in self.grammar_queue if hit(r)]:
+            self.grammar_queue.remove(req)
             self.finish(req, FinishReason("abort", message="aborted by request"))
         for req in [r for r in self.running if hit(r)]:
             self.finish(req, FinishReason("abort", message="aborted by request"))
@@ -182,7 +215,8 @@ class Scheduler:
 
     def abort_waiting(self, message: str) -> None:
         waiting = self.waiting + [r for forks in self.forks.values() for r in forks]
-        self.waiting, self.forks = [], {}
+        waiting += self.grammar_queue
+        self.waiting, self.forks, self.grammar_queue = [], {}, []
         for req in waiting:
             self.finish(req, FinishReason("abort", message=message))
 
@@ -192,6 +226,8 @@ class Scheduler:
         self.kv.release(req)
         req.prefill_done = False
         req.num_retractions += 1
+        if req.grammar is not None:  # recomputed from every kept token: the matcher agrees
+            req.grammar.sync(len(req.output_ids))
         self.waiting.insert(0, req)
 
     def retract_all(self) -> None:
@@ -200,10 +236,13 @@ class Scheduler:
 
     def step(self) -> bool:
         """One forward step; False when nothing could be scheduled."""
+        start = time.perf_counter()
         batch = self._schedule()
         if batch is None:
             return False
         version = self.weight_version()
+        # Grammar masks of this step's rows are filled on a worker while the forward runs.
+        masks = self.grammars.prefetch([row.req for row in batch.sampling_rows])
         if self.config.deterministic:
             logits = torch.cat([self.runner.forward(ScheduleBatch.build([row], self.runner.device)
                                                     .forward_batch) for row in batch.rows])
@@ -211,7 +250,8 @@ class Scheduler:
             logits = self.runner.forward(batch.forward_batch)
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
-        self._process(batch, logits, version)
+        self._process(batch, logits, version, masks)
+        self.stats["step_s"] += time.perf_counter() - start
         return True
 
     def _schedule(self) -> ScheduleBatch | None:
@@ -287,7 +327,8 @@ class Scheduler:
         adder.take(req, extend, new)
         return BatchRow(req, extend, samples=extend == todo)
 
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str) -> None:
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str,
+                 prefetched_masks: Any = None) -> None:
         for row in batch.rows:
             if not row.samples:  # a chunk: share what is computed so far
                 self.kv.cache_unfinished(row.req)
@@ -307,6 +348,9 @@ class Scheduler:
             [r.params for r in reqs], [r.output_ids for r in reqs], [r.prompt_ids for r in reqs],
             [len(r.output_ids) for r in reqs], self.outputs.eos_ids,
             logits.shape[-1], logits.device)
+        masks = self.grammars.step_masks(reqs, prefetched_masks, logits.device)
+        if masks is not None:
+            info.grammar_rows, info.grammar_bitmask = masks
         top_k = max(r.top_logprobs_num for r in reqs)
         want_logprob = any(r.return_logprob for r in reqs)
         out = self.sampler.sample(logits, info, return_logprob=want_logprob,
@@ -322,7 +366,8 @@ class Scheduler:
                 req.output_top_logprobs.append(tops[i][: req.top_logprobs_num])
             req.stamp(version)
             self.stats["generated_tokens"] += 1
-            reason = self.outputs.check_finish(req)
+            reason = self.grammars.accept(req) if req.grammar is not None else None
+            reason = reason or self.outputs.check_finish(req)
             if reason is not None:
                 self.finish(req, reason)
             elif req.stream:
