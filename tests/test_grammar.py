@@ -212,3 +212,38 @@ def test_weight_update_mid_generation_keeps_outputs_valid(tiny_chat_model_path):
         assert meta["finish_reason"]["type"] == "stop"
         assert [s["version"] for s in meta["weight_versions"]][-1] == "v1"
     assert any(m["num_retractions"] for m in finals.values())
+
+
+def test_sampler_bitmask_rows_with_penalties_ban_and_raw_logprobs():
+    """Grammar rows in SamplingBatchInfo: masked before temperature, the min_new_tokens ban
+    yields where the grammar allows only eos, raw logprobs ignore the mask, other rows are
+    drawn exactly as in a batch without grammar rows."""
+    from hotswap.engine.core.sampling_params import SamplingParams
+    from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
+
+    torch.manual_seed(3)
+    vocab, eos = 64, 0
+    logits = torch.randn(4, vocab)
+    params = [SamplingParams(temperature=0.7, seed=1, min_new_tokens=3),
+              SamplingParams(temperature=0.0, min_new_tokens=3),
+              SamplingParams(temperature=0.9, seed=2, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=4, logprob_mode="raw")]
+
+    def info() -> SamplingBatchInfo:
+        return SamplingBatchInfo.build(params, [[5]] * 4, [[7, 8]] * 4, [1] * 4, [eos], vocab)
+
+    plain = Sampler().sample(logits, info(), return_logprob=True)
+    bits = torch.zeros(3, 2, dtype=torch.int32)
+    bits[0, 0] = (1 << 4) | (1 << 9)  # row 0: tokens 4 and 9
+    bits[1, 0] = 1 << eos  # row 1: only eos, although min_new_tokens bans it
+    bits[2, 1] = 1 << 3  # row 3: token 35 only
+    constrained = info()
+    constrained.grammar_rows = torch.tensor([0, 1, 3])
+    constrained.grammar_bitmask = additive_bias(bits, vocab)
+    out = Sampler().sample(logits, constrained, return_logprob=True)
+    assert int(out.next_token_ids[0]) in (4, 9) and int(out.next_token_ids[1]) == eos
+    assert int(out.next_token_ids[2]) == int(plain.next_token_ids[2])
+    assert float(out.logprobs[2]) == float(plain.logprobs[2])
+    assert int(out.next_token_ids[3]) == 35
+    raw = torch.log_softmax(logits[3], dim=-1)[35]
+    assert math.isclose(float(out.logprobs[3]), float(raw), rel_tol=1e-5)
