@@ -116,7 +116,8 @@ def test_regex_choices_and_ebnf(engine):
 def test_openai_client_response_format_gets_valid_json(engine):
     what, schema = SCHEMAS[5]
     with serve(engine) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                               timeout=1800)  # a loaded 2-core machine: minutes per request
         chat = client.chat.completions.create(
             model="smollm2", messages=ask(f"Reply with JSON describing {what}."),
             max_tokens=160, temperature=0.7, seed=1,
