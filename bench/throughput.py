@@ -1,10 +1,12 @@
 """Throughput: hotswap vs HF transformers `generate` on the same model, workloads and machine.
 
-python bench/throughput.py [--workloads a,b,c] [--repeats 1] [--skip-hf]
+python bench/throughput.py [--workloads a,b,c,g] [--repeats 1] [--skip-hf]
 (a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
 (c) a ~1,000-token shared system prompt + 64 short questions x 32 new tokens.
 Sampling at temperature 1.0, eos ignored on both sides so every request makes its full length.
 Each repeat runs hotswap (from an empty prefix cache) and then HF; medians are printed.
+(g) workload (b) with a JSON schema on every request against the same unconstrained, both in
+hotswap, alternated; it prints the share of step time spent on grammar masks.
 """
 
 from __future__ import annotations
@@ -79,6 +81,53 @@ def run_hotswap(engine: Engine, prompts: list[list[int]], n: int, new: int) -> d
             "prompt_submitted": after["prompt_tokens"] - before["prompt_tokens"]}
 
 
+GRPO_SCHEMA = {"type": "object", "properties": {
+    "steps": {"type": "array", "items": {"type": "string", "maxLength": 120},
+              "minItems": 4, "maxItems": 8},
+    "answer": {"type": "integer", "minimum": 0, "maximum": 1000}},
+    "required": ["steps", "answer"]}
+
+
+def run_grammar(engine: Engine, prompts: list[list[int]], n: int, new: int,
+                schema: dict | None) -> dict:
+    """One GRPO batch, constrained by `schema` or not; grammar time from the engine's stats."""
+    sched = engine.scheduler
+    before = (dict(sched.stats), dict(sched.grammars.stats), dict(sched.sampler.stats))
+    params = {"max_new_tokens": new, "n": n, "temperature": 1.0, "ignore_eos": True}
+    if schema is not None:
+        params["json_schema"] = schema
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    step_s = sched.stats["step_s"] - before[0]["step_s"]
+    # On the scheduler thread: waiting for / filling masks, accepting tokens, applying masks.
+    critical = (sched.grammars.stats["critical_s"] - before[1]["critical_s"]
+                + sched.sampler.stats["mask_s"] - before[2]["mask_s"])
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"tok_s": tokens / elapsed, "tokens": tokens, "mask_share": critical / step_s,
+            "fill_share": (sched.grammars.stats["fill_s"] - before[1]["fill_s"]) / step_s}
+
+
+def grammar_comparison(engine: Engine, tokenizer, repeats: int) -> None:
+    prompts = chat_prompts(tokenizer, 8)
+    engine.generate(input_ids=prompts[0], sampling_params={  # compile once, outside timing
+        "json_schema": GRPO_SCHEMA, "max_new_tokens": 1})
+    plain, constrained = [], []
+    for _ in range(repeats):
+        for schema, results in ((None, plain), (GRPO_SCHEMA, constrained)):
+            engine.flush_cache()
+            results.append(run_grammar(engine, prompts, 8, 64, schema))
+    p = statistics.median(r["tok_s"] for r in plain)
+    c = statistics.median(r["tok_s"] for r in constrained)
+    share = statistics.median(r["mask_share"] for r in constrained)
+    fill = statistics.median(r["fill_share"] for r in constrained)
+    print(f"g (GRPO 8x8x64, JSON schema on every request): unconstrained {p:.1f} tok/s, "
+          f"constrained {c:.1f} tok/s, ratio {c / p:.2f}; tokens {plain[0]['tokens']} / "
+          f"{constrained[0]['tokens']}; mask work on the step's critical path "
+          f"{100 * share:.1f}% of step time (+{100 * fill:.1f}% filled on the worker during "
+          f"the forward)", flush=True)
+
+
 def run_hf(path: str, prompts: list[list[int]], n: int, new: int, pad_id: int) -> dict:
     """HF generate with static batching and left padding (runs in its own process)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -98,7 +147,7 @@ def run_hf(path: str, prompts: list[list[int]], n: int, new: int, pad_id: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--workloads", default="a,b,c")
+    parser.add_argument("--workloads", default="a,b,c,g")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
@@ -128,6 +177,8 @@ def main() -> None:
         print(f"{name:<10}{ours_med:>15.1f}{hf_med:>12.1f}{ours_med / hf_med:>8.2f}"
               f"{r['prefill_computed']:>14} / {r['prompt_submitted']:<8} (unique {unique})",
               flush=True)
+    if "g" in args.workloads.split(","):
+        grammar_comparison(engine, tokenizer, max(args.repeats, 2))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS (hotswap process): {rss:.0f} MiB")
     engine.shutdown()

@@ -130,6 +130,7 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_host_tokens: int | None = None
     hicache_storage_dir: str | None = None
+    grammar_backend: str = "xgrammar"  # "xgrammar" | "none" (grammar requests refused)
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

@@ -25,7 +25,6 @@ from hotswap.engine.weights.prepared import PreparedUpdate
 from hotswap.engine.weights.weight_manager import PAUSE_MODES, WeightManager
 from hotswap.weight_sync.serialize import deserialize_named_tensors
 
-_GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "choices")
 _MEMORY_TAGS = ("weights", "kv_cache")
 
 
@@ -182,6 +181,7 @@ class Engine:
         for ids, p, salt, lora, r in zip(prompts, params, salts, loras, rids):
             sp = SamplingParams.from_dict(p)
             self._check_request(ids, sp, lora)
+            grammar_job = self.scheduler.grammars.request_grammar(sp)  # ValueError if bad
             base = r or uuid.uuid4().hex
             leader = None
             for k in range(sp.n):
@@ -189,8 +189,8 @@ class Engine:
                     rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
                     params=sp.for_sample(k), return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, cache_salt=salt, lora_name=lora,
-                    stream=stream,
-                    group_leader=leader, created=time.perf_counter()))
+                    stream=stream, group_leader=leader, created=time.perf_counter(),
+                    grammar=self.scheduler.grammars.for_sample(grammar_job)))
                 leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
 
@@ -252,10 +252,6 @@ class Engine:
                              f"{self.runner.allocator.size}")
         sp.check_vocab(vocab)
         self.loras.check_name(lora)
-        for key in _GRAMMAR_KEYS:
-            if getattr(sp, key) is not None:
-                raise ValueError(f"sampling param '{key}': grammar-constrained decoding is not "
-                                 "available in this build")
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         self.scheduler.abort(rid, abort_all)

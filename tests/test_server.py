@@ -208,11 +208,20 @@ def test_sse_wire_format_ends_with_done(user):
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
     {"type": "json_object"},
 ])
-def test_json_response_format_is_refused_until_grammars_land(client, fmt):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
-                                       response_format=fmt)
-    assert "json_schema" in str(err.value) and "grammar" in str(err.value)
+def test_json_response_format_constrains_chat_and_completions(client, engine, fmt):
+    """The random model's first tokens are a valid start of the JSON the format asks for."""
+    import xgrammar as xgr
+
+    schema = fmt["json_schema"]["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=49152)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema),
+                                                             any_whitespace=False)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                          response_format=fmt)
+    completion = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                            extra_body={"response_format": fmt})
+    for text in (chat.choices[0].message.content, completion.choices[0].text):
+        assert text.startswith("{") and xgr.GrammarMatcher(compiled).accept_string(text), text
 
 
 def test_native_generate_equals_engine(engine, server):
@@ -374,6 +383,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}}}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}),
+    ("/v1/completions", {"prompt": PROMPT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "a("}}}}),
+    ("/generate", {"prompt": PROMPT, "sampling_params": {"regex": "[a-"}}),
+    ("/generate", {"prompt": PROMPT, "sampling_params": {"ebnf": "root ::= ("}}),
+    ("/generate", {"prompt": PROMPT, "sampling_params": {"regex": "a", "choices": ["a"]}}),
     ("/generate", {"prompt": PROMPT, "sampling_params": {"max_new_tokens": -5}}),
     ("/generate", {"prompt": PROMPT, "sampling_params": {"bogus": 1}}),
     ("/generate", {"prompt": PROMPT, "input_ids": [1, 2]}),

@@ -75,6 +75,7 @@ class Req:
     stream: bool = False
     sink: Callable[[dict[str, Any]], None] | None = None  # receives output events
     group_leader: Req | None = None  # n > 1: siblings wait for the leader's prompt KV
+    grammar: Any = None  # grammar.manager.RequestGrammar: this sample's compile job and matcher
     created: float = field(default_factory=time.perf_counter)
 
     output_ids: list[int] = field(default_factory=list)

@@ -24,6 +24,7 @@ the batch only changes how many rows each kernel processes.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -81,6 +82,9 @@ class SamplingBatchInfo:
     add_index: torch.Tensor | None  # [M] flat indices: frequency/presence penalties, logit_bias
     add_value: torch.Tensor | None  # [M] float32
     ban_index: torch.Tensor | None  # [K] flat indices banned by min_new_tokens
+    # Grammar rows and their packed masks (grammar/manager.py fills them; None: no grammar row)
+    grammar_rows: torch.Tensor | None = None  # [G] int64 batch rows
+    grammar_bitmask: torch.Tensor | None = None  # [G, V] float32 bias or [G, V/32] int32 bits
 
     @classmethod
     def build(
@@ -210,13 +214,16 @@ class _GroupResult(NamedTuple):
 
 
 def process_logits(
-    logits: torch.Tensor, info: SamplingBatchInfo, vocab_mask: torch.Tensor | None = None
+    logits: torch.Tensor, info: SamplingBatchInfo, vocab_mask: torch.Tensor | None = None,
+    stats: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Penalties, logit_bias, min_new_tokens ban, grammar mask and temperature, in that order.
-    Never writes into `logits` (raw logprobs need them); copies only when some step applies."""
+    Never writes into `logits` (raw logprobs need them); copies only when some step applies.
+    `stats["mask_s"]` (when given) accumulates the time spent applying grammar bitmasks."""
     x = logits.float()
     owned = x is not logits
-    edits = (info.rep_index, info.add_index, info.ban_index, vocab_mask)
+    grammar = info.grammar_rows is not None
+    edits = (info.rep_index, info.add_index, info.ban_index, vocab_mask, info.grammar_rows)
     if any(e is not None for e in edits):
         x = x if owned else x.clone()
         owned = True
@@ -228,11 +235,35 @@ def process_logits(
             flat.index_add_(0, info.add_index, info.add_value)
         if vocab_mask is not None:
             x.masked_fill_(~vocab_mask, -math.inf)
+        if grammar:
+            start = time.perf_counter()
+            apply_token_bitmask(x, info.grammar_rows, info.grammar_bitmask)
+            if stats is not None:
+                stats["mask_s"] = stats.get("mask_s", 0.0) + time.perf_counter() - start
         if info.ban_index is not None:
-            _ban(x, info.ban_index, grammar_masked=vocab_mask is not None)
+            _ban(x, info.ban_index, grammar_masked=vocab_mask is not None or grammar)
     if info.need_temperature:
         x = x.div_(info.temperatures) if owned else x / info.temperatures
     return x
+
+
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(x: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """Disallow tokens in rows `rows` of x, in place; other rows are untouched. `mask` is
+    either an additive float32 bias [G, V] (0 allowed, -inf not; the CPU form, expanded off
+    the critical path by grammar/manager.py) or packed int32 words [G, ceil(V / 32)] (bit t of
+    a row = token t allowed; expanded here with two tensor ops, the form for GPUs)."""
+    if mask.is_floating_point():
+        x.index_add_(0, rows, mask)
+        return
+    weights = _BIT_WEIGHTS.get(x.device)
+    if weights is None:
+        bits = torch.arange(32, dtype=torch.int32, device=x.device)
+        weights = _BIT_WEIGHTS.setdefault(x.device, torch.ones_like(bits) << bits)
+    blocked = (mask.unsqueeze(-1) & weights).eq(0).view(rows.shape[0], -1)[:, : x.shape[1]]
+    x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(blocked, -math.inf))
 
 
 def _ban(x: torch.Tensor, ban_index: torch.Tensor, grammar_masked: bool) -> None:
@@ -454,6 +485,9 @@ def _put(dst: torch.Tensor | None, group: RowGroup, src: torch.Tensor | None) ->
 class Sampler:
     """Draws the next token of every row; see the module docstring for the method."""
 
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = {"mask_s": 0.0}
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -466,7 +500,7 @@ class Sampler:
         """`logits` [B, V] (not modified); `vocab_mask` [B, V] bool, True = allowed;
         `top_logprobs_num` is the max over rows (trim per row); `generator` draws for rows
         without a seed and must live on the logits' device."""
-        x = process_logits(logits, info, vocab_mask)
+        x = process_logits(logits, info, vocab_mask, self.stats)
         u = _uniforms(info, generator)
         bsz, vocab = x.shape
         k = min(top_logprobs_num, vocab) if return_logprob else 0

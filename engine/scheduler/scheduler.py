@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,6 +27,7 @@ from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.control import SchedulerControl
@@ -51,6 +53,10 @@ class Scheduler(SchedulerControl):
                             config.page_size)
         self.sampler = Sampler()
         self.lora = lora or LoRAManager(config, runner.model_config, runner.device, runner.dtype)
+        self.grammars = GrammarManager(config.grammar_backend, outputs.tokenizer,
+                                       runner.model_config.vocab_size, outputs.eos_ids,
+                                       runner.device)
+        self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)
         self.ratio = NewTokenRatio()
         self.waiting: list[Req] = []
@@ -62,7 +68,7 @@ class Scheduler(SchedulerControl):
         self.paused = False
         self.admission_held = False  # set while a flush waits for running requests to drain
         self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "cached_tokens": 0, "steps": 0}
+                      "cached_tokens": 0, "steps": 0, "step_s": 0.0}
         self._admit_counter = 0
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
@@ -75,6 +81,7 @@ class Scheduler(SchedulerControl):
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
+        self.grammars.shutdown()
 
     def submit(self, reqs: list[Req]) -> None:
         self._inbox.put(("reqs", reqs))
@@ -172,11 +179,12 @@ class Scheduler(SchedulerControl):
                         f"aborted: LoRA adapter {req.lora_name!r} was unloaded")))
                     continue
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
-                leader = req.group_leader
-                if leader is not None and not self.tree.disable and not leader.finished:
-                    self.forks.setdefault(leader.rid, []).append(req)
+                if req.grammar is not None and not req.grammar.ready:
+                    self._wait_for_grammar(req)
                 else:
-                    self.waiting.append(req)
+                    self._enqueue(req)
+        elif kind == "grammar":
+            self._grammars_ready()
         elif kind == "abort":
             self._abort(*payload)
         elif kind == "call":
@@ -186,6 +194,28 @@ class Scheduler(SchedulerControl):
                     future.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - delivered to the caller
                     future.set_exception(exc)
+
+    def _enqueue(self, req: Req) -> None:
+        leader = req.group_leader
+        if leader is not None and not self.tree.disable and not leader.finished:
+            self.forks.setdefault(leader.rid, []).append(req)
+        else:
+            self.waiting.append(req)
+
+    def _wait_for_grammar(self, req: Req) -> None:
+        """Park `req` until its grammar compiles (on the grammar worker); others keep stepping."""
+        self.grammar_queue.append(req)
+        req.grammar.job.add_done_callback(lambda _: self._inbox.put(("grammar", None)))
+
+    def _grammars_ready(self) -> None:
+        ready = [r for r in self.grammar_queue if r.grammar.ready]
+        self.grammar_queue = [r for r in self.grammar_queue if not r.grammar.ready]
+        for req in ready:
+            error = req.grammar.error()
+            if error is not None:
+                self.finish(req, FinishReason("abort", message=error))
+            else:
+                self._enqueue(req)
 
     def _abort(self, rid: str | None, abort_all: bool) -> None:
         def hit(req: Req) -> bool:
@@ -199,6 +229,9 @@ class Scheduler(SchedulerControl):
                 del self.forks[leader_rid]
         for req in [r for r in self.waiting if hit(r)]:
             self.waiting.remove(req)
+            self.finish(req, FinishReason("abort", message="aborted by request"))
+        for req in [r for r in self.grammar_queue if hit(r)]:
+            self.grammar_queue.remove(req)
             self.finish(req, FinishReason("abort", message="aborted by request"))
         for req in [r for r in self.running if hit(r)]:
             self.finish(req, FinishReason("abort", message="aborted by request"))
@@ -218,7 +251,8 @@ class Scheduler(SchedulerControl):
 
     def abort_waiting(self, message: str) -> None:
         waiting = self.waiting + [r for forks in self.forks.values() for r in forks]
-        self.waiting, self.forks = [], {}
+        waiting += self.grammar_queue
+        self.waiting, self.forks, self.grammar_queue = [], {}, []
         for req in waiting:
             self.finish(req, FinishReason("abort", message=message))
 
@@ -228,6 +262,8 @@ class Scheduler(SchedulerControl):
         self.kv.release(req)
         req.prefill_done = False
         req.num_retractions += 1
+        if req.grammar is not None:  # recomputed from every kept token: the matcher agrees
+            req.grammar.sync(len(req.output_ids))
         self.waiting.insert(0, req)
 
     def retract_all(self) -> None:
@@ -236,10 +272,13 @@ class Scheduler(SchedulerControl):
 
     def step(self) -> bool:
         """One forward step; False when nothing could be scheduled."""
+        start = time.perf_counter()
         batch = self._schedule()
         if batch is None:
             return False
         version = self.weight_version()
+        # Grammar masks of this step's rows are filled on a worker while the forward runs.
+        masks = self.grammars.prefetch([row.req for row in batch.sampling_rows])
         if self.config.deterministic:
             logits = torch.cat([self.runner.forward(self._with_lora(
                 ScheduleBatch.build([row], self.runner.device))) for row in batch.rows])
@@ -247,7 +286,8 @@ class Scheduler(SchedulerControl):
             logits = self.runner.forward(self._with_lora(batch))
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
-        self._process(batch, logits, version)
+        self._process(batch, logits, version, masks)
+        self.stats["step_s"] += time.perf_counter() - start
         return True
 
     def _with_lora(self, batch: ScheduleBatch) -> ForwardBatch:
@@ -330,7 +370,8 @@ class Scheduler(SchedulerControl):
         adder.take(req, extend, new)
         return BatchRow(req, extend, samples=extend == todo)
 
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str) -> None:
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str,
+                 prefetched_masks: Any = None) -> None:
         for row in batch.rows:
             if not row.samples:  # a chunk: share what is computed so far
                 self.kv.cache_unfinished(row.req)
@@ -351,6 +392,9 @@ class Scheduler(SchedulerControl):
             [r.params for r in reqs], [r.output_ids for r in reqs], [r.prompt_ids for r in reqs],
             [len(r.output_ids) for r in reqs], self.outputs.eos_ids,
             logits.shape[-1], logits.device)
+        masks = self.grammars.step_masks(reqs, prefetched_masks, logits.device)
+        if masks is not None:
+            info.grammar_rows, info.grammar_bitmask = masks
         top_k = max(r.top_logprobs_num for r in reqs)
         want_logprob = any(r.return_logprob for r in reqs)
         out = self.sampler.sample(logits, info, return_logprob=want_logprob,
@@ -366,7 +410,8 @@ class Scheduler(SchedulerControl):
                 req.output_top_logprobs.append(tops[i][: req.top_logprobs_num])
             req.stamp(version, None if req.lora_name is None else self.lora.version(req.lora_name))
             self.stats["generated_tokens"] += 1
-            reason = self.outputs.check_finish(req)
+            reason = self.grammars.accept(req) if req.grammar is not None else None
+            reason = reason or self.outputs.check_finish(req)
             if reason is not None:
                 self.finish(req, reason)
             elif req.stream and not self.outputs.emit(req):

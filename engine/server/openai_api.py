@@ -14,7 +14,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hotswap.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    SamplingFields,
+)
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token with zero probability
 
@@ -61,6 +66,7 @@ def completion_job(req: CompletionRequest, model: str) -> Job:
     job_id = f"cmpl-{uuid.uuid4().hex}"
     # OpenAI's default for completions is 16 tokens.
     params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)
+    _add_response_format(params, req.response_format)
     kwargs: dict[str, Any] = {("input_ids" if by_ids else "prompt"): prompt,
                               "sampling_params": params,
                               "rid": f"{job_id}-0" if single else
@@ -76,11 +82,7 @@ def chat_job(req: ChatCompletionRequest, model: str, context_length: int) -> Job
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     # Unset: generate until eos or the context is full, as OpenAI does.
     params = sampling_params(req, context_length if max_tokens is None else max_tokens)
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_schema":
-        params["json_schema"] = fmt.json_schema.json_schema
-    elif fmt is not None and fmt.type == "json_object":
-        params["json_schema"] = {"type": "object"}
+    _add_response_format(params, req.response_format)
     messages = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
     kwargs: dict[str, Any] = {"messages": messages, "sampling_params": params,
                               "rid": f"{job_id}-0"}
@@ -89,6 +91,15 @@ def chat_job(req: ChatCompletionRequest, model: str, context_length: int) -> Job
     _add_common(kwargs, req)
     return Job(job_id, "chat.completion", req.model or model, req.n, 1, top,
                _include_usage(req), kwargs)
+
+
+def _add_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -> None:
+    """OpenAI's structured output as the engine's json_schema grammar (json_object: any
+    JSON object). A schema the grammar cannot compile is a 400 from the engine."""
+    if fmt is not None and fmt.type == "json_schema":
+        params["json_schema"] = fmt.json_schema.json_schema
+    elif fmt is not None and fmt.type == "json_object":
+        params["json_schema"] = {"type": "object"}
 
 
 def _content_text(content: str | list) -> str:

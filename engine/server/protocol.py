@@ -90,6 +90,7 @@ class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[NonNegInt] | list[list[NonNegInt]]
     echo: bool = False
     logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None  # as on chat (vLLM and SGLang accept it)
 
     @model_validator(mode="after")
     def _no_echo(self) -> CompletionRequest:
