@@ -24,6 +24,7 @@ from hotswap.engine.config import EngineConfig
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
 from hotswap.engine.kvcache.radix_cache import RadixCache
 from hotswap.engine.scheduler.kv_manager import KVManager
@@ -71,6 +72,7 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     def submit(self, reqs: list[Req]) -> None:
+        release_thread_team()  # the caller now waits on us: its idle OpenMP team throttles ours
         self._inbox.put(("reqs", reqs))
 
     def abort(self, rid: str | None, abort_all: bool = False) -> None:
@@ -79,6 +81,7 @@ class Scheduler:
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` in the scheduler thread between steps; the Future carries its result."""
         future: Future = Future()
+        release_thread_team()
         self._inbox.put(("call", (fn, future)))
         return future
 
@@ -96,6 +99,8 @@ class Scheduler:
     def _loop(self) -> None:
         idle_wait = None  # block on the inbox: None = until something arrives
         while not self._stop.is_set():
+            if not self.has_work:  # idle: keep no OpenMP team that would throttle the caller's
+                release_thread_team()
             self._drain_inbox(block=not self.has_work or idle_wait is not None,
                               timeout=idle_wait)
             if self._stop.is_set():
