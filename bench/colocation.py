@@ -10,13 +10,22 @@ ignored), one after the other in every repeat so that a slow period of the machi
   unreleased  the same, with the engine's OpenMP team release switched off (the old behaviour).
 Prints median tokens/s, the colocated/clean ratio, and the time of an in-process
 update_weights_from_tensor of every weight (from the HF trainer model) in the colocated process.
+
+First, the mechanism, measured in this process and independent of machine load: voluntary
+context switches per small parallel op (a [64, 576] multiply) run by an engine-like thread,
+alone, after the main thread has run a parallel op (a second OpenMP team), and after the main
+thread released its team (engine/executor/omp.py). About 2 switches per op mean the worker
+sleeps on a futex between ops (libgomp's throttled spin); about 0 mean it spins.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import queue
 import statistics
+import threading
 import time
 
 import torch
@@ -24,6 +33,7 @@ import transformers
 from throughput import chat_prompts  # bench/ is on sys.path when run as a script
 
 from hotswap.engine import Engine
+from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.models.fetch import ensure_model
 
 _STATE: dict = {}
@@ -80,6 +90,53 @@ def update_seconds(path: str, repeats: int = 3) -> float:
     return statistics.median(samples)
 
 
+def _voluntary_switches() -> int:
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f
+                             if line.startswith("voluntary_ctxt_switches"))
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return total
+
+
+def _small_ops(n: int = 2000) -> tuple[float, float]:
+    """(us per op, voluntary context switches per op) of n small parallel multiplies."""
+    a, b = torch.randn(64, 576), torch.randn(64, 576)
+    switches, start = _voluntary_switches(), time.perf_counter()
+    for _ in range(n):
+        torch.mul(a, b, out=a)
+    return (time.perf_counter() - start) / n * 1e6, (_voluntary_switches() - switches) / n
+
+
+def mechanism() -> None:
+    """The engine-like thread keeps its team between measurements, as the scheduler does."""
+    todo: queue.Queue[None] = queue.Queue()
+    done: queue.Queue[tuple[float, float]] = queue.Queue()
+
+    def engine_thread() -> None:
+        while True:
+            todo.get()
+            done.put(_small_ops())
+
+    threading.Thread(target=engine_thread, daemon=True).start()
+
+    def measure(label: str) -> None:
+        todo.put(None)
+        us, switches = done.get()
+        print(f"  {label:<46}{switches:>6.2f} switches/op {us:>9.1f} us/op", flush=True)
+
+    print("mechanism: a thread's small parallel ops (us/op depends on machine load):")
+    measure("alone")
+    a = torch.randn(256, 256)
+    (a @ a).sum()  # the main thread now masters a second team
+    measure("after the main thread ran a parallel op")
+    release_thread_team()
+    measure("after the main thread released its team")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default=None)
@@ -90,6 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     path = ensure_model(args.model_path)
     ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:  # a clean process for the mechanism check
+        pool.apply(mechanism)
     sides = {"clean": (None, True), "colocated": (args.trainer, True),
              "unreleased": (args.trainer, False)}
     pools = {name: ctx.Pool(1, initializer=_start, initargs=(path, args.dtype, t, rel))
