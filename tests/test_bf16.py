@@ -112,3 +112,4 @@ def test_bf16_matmul_weights_are_packed(tiny_llama_path):
     assert layer.mlp.down_proj.packed is not None
     assert layer.self_attn.qkv_proj.packed.dtype == torch.bfloat16
     assert runner.model.fp32_head.packed is not None
+    assert runner.model.lm_head_packed is None  # the bf16 lm_head is never multiplied then

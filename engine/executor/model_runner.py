@@ -99,8 +99,8 @@ class ModelRunner:
         if self._packed_generation == self._weights_generation or self.weights_released:
             return
         start = time.perf_counter()
-        self.model.pack_weights(self.config.pack_weights)
         self.model.build_fp32_head(self.config.fp32_lm_head, self.config.pack_weights)
+        self.model.pack_weights(self.config.pack_weights)
         self._packed_generation = self._weights_generation
         self.last_pack_s = time.perf_counter() - start
 

@@ -156,7 +156,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None
-        self.lm_head_packed = pack(self.lm_head_weight) if enable else None
+        # With the float32 head (built first) the model-dtype lm_head is never multiplied.
+        self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
+                               else None)
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Every HF checkpoint name this model takes, mapped to where it lands."""
