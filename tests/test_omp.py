@@ -64,6 +64,7 @@ def test_engine_releases_the_callers_team_and_its_own_when_idle(tiny_chat_model_
     with Engine(tiny_chat_model_path, dtype="float32", max_total_tokens=2048) as engine:
         sched_mod.release_thread_team = spy
         try:
+            omp.release_thread_team()  # earlier tests may have left this thread a team
             baseline = _threads()
             _parallel_op()
             assert _threads() > baseline  # the caller's team
