@@ -1,12 +1,15 @@
-"""Throughput: hotswap vs HF transformers `generate` on the same model, workloads and machine.
+"""Throughput: hotswap (bf16 and fp32) vs HF transformers `generate`: same model, prompts, machine.
 
-python bench/throughput.py [--workloads a,b,c,g] [--repeats 1] [--skip-hf]
+python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c] [--repeats 1]
+                           [--skip-hf] [--no-roofline] [--no-logprob-check]
 (a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
-(c) a ~1,000-token shared system prompt + 64 short questions x 32 new tokens.
-Sampling at temperature 1.0, eos ignored on both sides so every request makes its full length.
-Each repeat runs hotswap (from an empty prefix cache) and then HF; medians are printed.
-(g) workload (b) with a JSON schema on every request against the same unconstrained, both in
-hotswap, alternated; it prints the share of step time spent on grammar masks.
+(1) batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
+questions x 32 new tokens. Sampling at temperature 1.0, eos ignored on both sides so every
+request makes its full length. Every engine (one per dtype) and HF (fp32) run in their own
+process, and each repeat runs them one after the other, so a slow period of this shared machine
+hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the
+decode matmul shapes (oneDNN, packed weights) and the share of that roofline each engine reaches,
+GB/s of weights read at batch 1, and the bf16 engine's logprob error against HF fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import transformers
 
 from hotswap.engine import Engine
+from hotswap.engine.config import ModelConfig
 from hotswap.engine.models.fetch import ensure_model
 
 TOPICS = ["the ocean", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "music",
@@ -53,12 +57,13 @@ def long_system_prompt(tokenizer, tokens: int = 1000) -> str:
 
 def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, int]]:
     """name -> (distinct prompts, samples per prompt, new tokens)."""
-    all_ = {
-        "a": (chat_prompts(tokenizer, 64), 1, 64),
-        "b": (chat_prompts(tokenizer, 8), 8, 64),
-        "c": (chat_prompts(tokenizer, 64, long_system_prompt(tokenizer)), 1, 32),
+    makers = {
+        "a": lambda: (chat_prompts(tokenizer, 64), 1, 64),
+        "b": lambda: (chat_prompts(tokenizer, 8), 8, 64),
+        "1": lambda: (chat_prompts(tokenizer, 1), 1, 64),
+        "c": lambda: (chat_prompts(tokenizer, 64, long_system_prompt(tokenizer)), 1, 32),
     }
-    return {k: v for k, v in all_.items() if k in chosen.split(",")}
+    return {k: makers[k]() for k in chosen.split(",")}
 
 
 def unique_prefix_tokens(prompts: list[list[int]]) -> int:
@@ -68,64 +73,48 @@ def unique_prefix_tokens(prompts: list[list[int]]) -> int:
     return sum(len(p) for p in ordered) - shared
 
 
-def run_hotswap(engine: Engine, prompts: list[list[int]], n: int, new: int) -> dict:
+_ENGINE: Engine | None = None  # the engine of a worker process (one dtype per process)
+
+
+def _start_engine(path: str, dtype: str, kwargs: dict) -> None:
+    global _ENGINE
+    _ENGINE = Engine(path, dtype=dtype, **kwargs)
+
+
+def run_hotswap(prompts: list[list[int]], n: int, new: int, logprobs: bool = False) -> dict:
+    """One workload through this worker's engine, from an empty prefix cache."""
+    engine = _ENGINE
+    engine.flush_cache()
     before = dict(engine.scheduler.stats)
     start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params={
-        "max_new_tokens": new, "n": n, "temperature": 1.0, "ignore_eos": True})
+    outs = engine.generate(input_ids=prompts, return_logprob=logprobs, sampling_params={
+        "max_new_tokens": new, "n": n, "temperature": 1.0, "ignore_eos": True, "seed": 7})
     elapsed = time.perf_counter() - start
     after = engine.scheduler.stats
     tokens = sum(len(o["output_ids"]) for o in outs)
-    return {"tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens,
-            "prefill_computed": after["prefill_tokens"] - before["prefill_tokens"],
-            "prompt_submitted": after["prompt_tokens"] - before["prompt_tokens"]}
+    result = {"tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens,
+              "prefill_computed": after["prefill_tokens"] - before["prefill_tokens"],
+              "prompt_submitted": after["prompt_tokens"] - before["prompt_tokens"],
+              "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if logprobs:
+        result["samples"] = [(o["output_ids"], [lp for lp, _ in
+                                                o["meta_info"]["output_token_logprobs"]])
+                             for o in outs]
+    return result
 
 
-GRPO_SCHEMA = {"type": "object", "properties": {
-    "steps": {"type": "array", "items": {"type": "string", "maxLength": 120},
-              "minItems": 4, "maxItems": 8},
-    "answer": {"type": "integer", "minimum": 0, "maximum": 1000}},
-    "required": ["steps", "answer"]}
-
-
-def run_grammar(engine: Engine, prompts: list[list[int]], n: int, new: int,
-                schema: dict | None) -> dict:
-    """One GRPO batch, constrained by `schema` or not; grammar time from the engine's stats."""
-    sched = engine.scheduler
-    before = (dict(sched.stats), dict(sched.grammars.stats), dict(sched.sampler.stats))
-    params = {"max_new_tokens": new, "n": n, "temperature": 1.0, "ignore_eos": True}
-    if schema is not None:
-        params["json_schema"] = schema
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
-    step_s = sched.stats["step_s"] - before[0]["step_s"]
-    # On the scheduler thread: waiting for / filling masks, accepting tokens, applying masks.
-    critical = (sched.grammars.stats["critical_s"] - before[1]["critical_s"]
-                + sched.sampler.stats["mask_s"] - before[2]["mask_s"])
-    tokens = sum(len(o["output_ids"]) for o in outs)
-    return {"tok_s": tokens / elapsed, "tokens": tokens, "mask_share": critical / step_s,
-            "fill_share": (sched.grammars.stats["fill_s"] - before[1]["fill_s"]) / step_s}
-
-
-def grammar_comparison(engine: Engine, tokenizer, repeats: int) -> None:
-    prompts = chat_prompts(tokenizer, 8)
-    engine.generate(input_ids=prompts[0], sampling_params={  # compile once, outside timing
-        "json_schema": GRPO_SCHEMA, "max_new_tokens": 1})
-    plain, constrained = [], []
-    for _ in range(repeats):
-        for schema, results in ((None, plain), (GRPO_SCHEMA, constrained)):
-            engine.flush_cache()
-            results.append(run_grammar(engine, prompts, 8, 64, schema))
-    p = statistics.median(r["tok_s"] for r in plain)
-    c = statistics.median(r["tok_s"] for r in constrained)
-    share = statistics.median(r["mask_share"] for r in constrained)
-    fill = statistics.median(r["fill_share"] for r in constrained)
-    print(f"g (GRPO 8x8x64, JSON schema on every request): unconstrained {p:.1f} tok/s, "
-          f"constrained {c:.1f} tok/s, ratio {c / p:.2f}; tokens {plain[0]['tokens']} / "
-          f"{constrained[0]['tokens']}; mask work on the step's critical path "
-          f"{100 * share:.1f}% of step time (+{100 * fill:.1f}% filled on the worker during "
-          f"the forward)", flush=True)
+def hf_logprobs(path: str, prompts: list[list[int]], samples: list[tuple[list[int], list[float]]],
+                dtype: str) -> list[float]:
+    """HF's log-softmax of each sampled token, teacher-forced, in `dtype`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype)).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, (ids, _) in zip(prompts, samples):
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1]
+            lp = logits.float().log_softmax(-1)
+            out += lp.gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
+    return out
 
 
 def run_hf(path: str, prompts: list[list[int]], n: int, new: int, pad_id: int) -> dict:
@@ -144,47 +133,158 @@ def run_hf(path: str, prompts: list[list[int]], n: int, new: int, pad_id: int) -
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens}
 
 
+def matmul_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """name -> (in features, out features, count per token) of every decode matmul."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    n = cfg.num_layers
+    return {"qkv": (h, q + 2 * kv, n), "o": (q, h, n), "gate_up": (h, 2 * inter, n),
+            "down": (inter, h, n), "lm_head": (h, cfg.vocab_size, 1)}
+
+
+def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, repeats: int = 20
+                    ) -> dict[str, dict[str, float]]:
+    """dtype -> shape -> seconds of one [rows, in] x packed [in, out] matmul (oneDNN, median)."""
+    from hotswap.engine.layers.linear import linear, pack
+
+    out: dict[str, dict[str, float]] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        times = {}
+        for name, (k, n, _) in shapes.items():
+            x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype) * 0.05
+            packed = pack(w)
+            samples = []
+            for _ in range(repeats + 3):
+                start = time.perf_counter()
+                linear(x, w, packed=packed)
+                samples.append(time.perf_counter() - start)
+            times[name] = statistics.median(samples[3:])
+        out[str(dtype).removeprefix("torch.")] = times
+    return out
+
+
+def measure_read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
+    """GB/s of streaming a buffer much larger than the caches (a sum over bf16)."""
+    buf = torch.ones(int(gib * (1 << 30)) // 2, dtype=torch.bfloat16)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        samples.append(time.perf_counter() - start)
+    return buf.numel() * 2 / min(samples) / 1e9
+
+
+def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
+                   fp32_head: bool, rows: int = 64) -> float:
+    """Tokens/s if a decode step of `rows` rows did nothing but its matmuls at measured speed."""
+    step = 0.0
+    for name, (_, _, count) in shapes.items():
+        head32 = name == "lm_head" and fp32_head
+        step += count * times["float32" if head32 else dtype][name]
+    return rows / step
+
+
+def weight_bytes(shapes: dict, dtype: str, fp32_head: bool) -> int:
+    """Bytes of matmul weights one decode step reads."""
+    size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for name, (k, n, count) in shapes.items():
+        total += k * n * count * (4 if name == "lm_head" and fp32_head else size)
+    return total
+
+
+def print_matmul_rates(shapes: dict, times: dict[str, dict[str, float]], bandwidth: float) -> None:
+    print("machine: decode matmuls, 64 rows x packed weight (oneDNN), GFLOP/s:")
+    for dtype, per in times.items():
+        rates = "  ".join(f"{name} {2 * 64 * k * n / per[name] / 1e9:.0f}"
+                          for name, (k, n, _) in shapes.items())
+        print(f"  {dtype:<9}{rates}")
+    print(f"machine: read bandwidth {bandwidth:.1f} GB/s (sum over a 0.5 GiB bf16 buffer)")
+
+
+def logprob_errors(engine_pool, hf_pool, path: str, tokenizer) -> str:
+    """Mean/max |logprob - HF| over 256 tokens the engine sampled (4 prompts x 64)."""
+    prompts = chat_prompts(tokenizer, 4)
+    res = engine_pool.apply(run_hotswap, (prompts, 1, 64, True))
+    ours = [lp for _, lps in res["samples"] for lp in lps]
+    parts = []
+    for ref_dtype in ("float32", "bfloat16"):
+        ref = hf_pool.apply(hf_logprobs, (path, prompts, res["samples"], ref_dtype))
+        diff = torch.tensor(ours) - torch.tensor(ref)
+        parts.append(f"vs HF {ref_dtype}: mean {diff.abs().mean():.4f} max {diff.abs().max():.4f}")
+    return f"{len(ours)} tokens, " + "; ".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--workloads", default="a,b,c,g")
+    parser.add_argument("--dtype", default="bfloat16,float32",
+                        help="comma list of engine dtypes, each engine in its own process")
+    parser.add_argument("--workloads", default="a,b,1")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-pack-weights", action="store_true")
+    parser.add_argument("--no-fp32-lm-head", action="store_true")
+    parser.add_argument("--no-roofline", action="store_true")
+    parser.add_argument("--no-logprob-check", action="store_true")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
-    # HF runs in a separate process: two OpenMP thread teams in one process on 2 cores slow
-    # each other down (see README), which would bias the comparison either way.
-    hf_pool = None if args.skip_hf else mp.get_context("spawn").Pool(1)
-    engine = Engine(path, dtype="float32")
-    tokenizer = engine.tokenizer
+    dtypes = args.dtype.split(",")
+    cfg = ModelConfig.from_path(path)
+    shapes = matmul_shapes(cfg)
+    ctx = mp.get_context("spawn")
+    # Every side in its own process: two OpenMP teams in one process slow each other down (see
+    # README, "OpenMP and threads"), which would bias the comparison.
+    if not args.no_roofline:
+        with ctx.Pool(1) as pool:
+            times = pool.apply(measure_matmuls, (shapes,))
+            bandwidth = pool.apply(measure_read_bandwidth)
+        print_matmul_rates(shapes, times, bandwidth)
+    kwargs = {"pack_weights": not args.no_pack_weights,
+              "fp32_lm_head": not args.no_fp32_lm_head}
+    engines = {dt: ctx.Pool(1, initializer=_start_engine, initargs=(path, dt, kwargs))
+               for dt in dtypes}
+    hf_pool = None if args.skip_hf else ctx.Pool(1)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    print(f"torch threads: {torch.get_num_threads()}, model: {path}")
-    print(f"{'workload':<10}{'hotswap tok/s':>15}{'HF tok/s':>12}{'ratio':>8}"
-          f"{'prefill computed / submitted':>32}")
+    print(f"torch threads: {torch.get_num_threads()}, model: {path}, engines: {dtypes}")
+    head = "".join(f"{'hotswap ' + dt:>18}" for dt in dtypes)
+    print(f"{'workload':<9}{head}{'HF fp32':>10}  ratios; roofline share (a,b) / weights GB/s (1)")
     for name, (prompts, n, new) in workloads(tokenizer, args.workloads).items():
-        # Alternate the two sides so that a slower period of this (shared) machine hits both;
-        # every hotswap run starts from an empty prefix cache, as HF does.
-        ours, theirs = [], []
-        for _ in range(args.repeats):
-            engine.flush_cache()
-            ours.append(run_hotswap(engine, prompts, n, new))
+        ours: dict[str, list[dict]] = {dt: [] for dt in dtypes}
+        theirs = []
+        for _ in range(args.repeats):  # alternate: a slow period of the machine hits every side
+            for dt in dtypes:
+                ours[dt].append(engines[dt].apply(run_hotswap, (prompts, n, new)))
             if hf_pool is not None:
                 theirs.append(hf_pool.apply(run_hf, (path, prompts, n, new, pad))["tok_s"])
-        ours_med = statistics.median(r["tok_s"] for r in ours)
+        med = {dt: statistics.median(r["tok_s"] for r in ours[dt]) for dt in dtypes}
         hf_med = statistics.median(theirs) if theirs else float("nan")
-        unique = unique_prefix_tokens(prompts)
-        r = ours[0]
-        print(f"{name:<10}{ours_med:>15.1f}{hf_med:>12.1f}{ours_med / hf_med:>8.2f}"
-              f"{r['prefill_computed']:>14} / {r['prompt_submitted']:<8} (unique {unique})",
-              flush=True)
-    if "g" in args.workloads.split(","):
-        grammar_comparison(engine, tokenizer, max(args.repeats, 2))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak RSS (hotswap process): {rss:.0f} MiB")
-    engine.shutdown()
+        notes = [f"{dt}/HF {med[dt] / hf_med:.2f}x" for dt in dtypes]
+        if "bfloat16" in med and "float32" in med:
+            notes.insert(0, f"bf16/fp32 {med['bfloat16'] / med['float32']:.2f}x")
+        for dt in dtypes:
+            head32 = kwargs["fp32_lm_head"] and dt != "float32"
+            if name == "1":
+                gbs = med[dt] * weight_bytes(shapes, dt, head32) / 1e9
+                notes.append(f"{dt} {gbs:.1f} GB/s")
+            elif not args.no_roofline and name in ("a", "b"):
+                roof = roofline_tok_s(shapes, times, dt, head32)
+                notes.append(f"{dt} {med[dt] / roof:.0%} of {roof:.0f}")
+        cols = "".join(f"{med[dt]:>18.1f}" for dt in dtypes)
+        print(f"{name:<9}{cols}{hf_med:>10.1f}  {'; '.join(notes)}", flush=True)
+        r = ours[dtypes[0]][0]
+        print(f"{'':<9}prefill computed / submitted {r['prefill_computed']} / "
+              f"{r['prompt_submitted']} (trie-unique {unique_prefix_tokens(prompts)})")
+    if hf_pool is not None and not args.no_logprob_check:
+        for dt in dtypes:
+            print(f"logprobs, hotswap {dt}: "
+                  f"{logprob_errors(engines[dt], hf_pool, path, tokenizer)}", flush=True)
+    for dt, pool in engines.items():
+        rss = pool.apply(run_hotswap, ([[1, 2, 3]], 1, 1))["rss_mib"]
+        print(f"peak RSS, hotswap {dt} process: {rss:.0f} MiB")
+        pool.close()
     if hf_pool is not None:
         hf_pool.close()
-        hf_pool.join()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Every "auto" value is resolved once, in `EngineConfig.resolve`; nobody mutates c
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,6 +15,10 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     max_total_tokens: int | None = None
     page_size: int = 1
@@ -131,6 +136,9 @@ class EngineConfig:
     hicache_host_tokens: int | None = None
     hicache_storage_dir: str | None = None
     grammar_backend: str = "xgrammar"  # "xgrammar" | "none" (grammar requests refused)
+    # bf16/fp16 models: final norm, lm_head and log-softmax in float32 (logprobs fit for RL; a
+    # float32 copy of the lm_head weight). False: the lm_head runs in the model's dtype.
+    fp32_lm_head: bool = True
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
@@ -141,7 +149,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         dtype = self.dtype
         if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else "float32"
+            dtype, why = auto_dtype(device, model.torch_dtype)
+            logger.info("dtype='auto' -> %s: %s", dtype, why)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
         backend = self.attention_backend
@@ -177,6 +186,38 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def auto_dtype(device: str, checkpoint_dtype: str, cpu_flags: set[str] | None = None
+               ) -> tuple[str, str]:
+    """dtype="auto": the checkpoint's dtype where the device runs it fast, else float32.
+
+    Returns (dtype, the reason, for the log). On CPU only bf16 with AVX512-BF16 or AMX counts as
+    fast; float16 never does (no native fp16 matmul path on CPU here)."""
+    wanted = checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
+    if wanted == "float32":
+        return "float32", f"the checkpoint's dtype is {checkpoint_dtype}"
+    if device == "cuda":
+        return wanted, "the checkpoint's dtype, on CUDA"
+    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    have = [f for f in CPU_BF16_FLAGS if f in flags]
+    if wanted == "bfloat16" and have:
+        return "bfloat16", f"the checkpoint's dtype; this CPU has {', '.join(have)}"
+    return "float32", (f"the checkpoint is {wanted} but this CPU has none of "
+                       f"{', '.join(CPU_BF16_FLAGS)}" if wanted == "bfloat16" else
+                       "the checkpoint is float16, which has no fast CPU path")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _auto_attention_backend(device: str) -> str:

@@ -29,7 +29,7 @@ _MEMORY_TAGS = ("weights", "kv_cache")
 
 
 class Engine:
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
+    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto",
                  max_total_tokens: int | None = None, page_size: int = 1,
                  max_running_requests: int = 256, chunked_prefill_size: int = 2048,
                  schedule_policy: str = "lpm", attention_backend: str = "auto",

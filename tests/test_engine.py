@@ -23,7 +23,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_model_path):
-    with Engine(tiny_chat_model_path, max_total_tokens=8192, max_running_requests=32) as eng:
+    with Engine(tiny_chat_model_path, dtype="float32", max_total_tokens=8192,
+                max_running_requests=32) as eng:
         yield eng
 
 

@@ -16,7 +16,7 @@ TOL = 1e-4
 
 def make_runner(path: str, page_size: int = 1, backend: str = "torch") -> ModelRunner:
     mcfg = ModelConfig.from_path(path)
-    cfg = EngineConfig(model_path=path, max_total_tokens=4096, page_size=page_size,
+    cfg = EngineConfig(model_path=path, dtype="float32", max_total_tokens=4096, page_size=page_size,
                        max_running_requests=16, attention_backend=backend).resolve(mcfg)
     return ModelRunner(cfg, mcfg)
 

@@ -30,7 +30,7 @@ def hf_model(real_model_path):
 
 @pytest.fixture(scope="module")
 def engine(real_model_path):
-    with Engine(real_model_path, max_total_tokens=16384) as eng:
+    with Engine(real_model_path, dtype="float32", max_total_tokens=16384) as eng:
         yield eng
 
 

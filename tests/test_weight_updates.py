@@ -45,7 +45,7 @@ def greedy(n: int) -> dict:
 
 @contextlib.contextmanager
 def make_engine(path: str, **kwargs) -> Iterator[Engine]:
-    kwargs = {"max_total_tokens": 8192, "max_running_requests": 64,
+    kwargs = {"dtype": "float32", "max_total_tokens": 8192, "max_running_requests": 64,
               "weight_update_timeout_s": TIMEOUT_S, **kwargs}
     with Engine(path, **kwargs) as engine, watchdog(engine):
         yield engine

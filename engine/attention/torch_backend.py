@@ -204,8 +204,8 @@ def _padding_groups(rows: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor
 
 
 def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax in float32 (a no-op cast for float32 models)."""
-    return scores.float().softmax(-1).to(dtype)
+    """Softmax in float32 (one conversion in, one out for bf16; none for float32)."""
+    return torch.softmax(scores, -1, dtype=torch.float32).to(dtype)
 
 
 def _pool_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

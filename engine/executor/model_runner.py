@@ -99,11 +99,13 @@ class ModelRunner:
         """Called after any write to the weights: packed copies are stale from now on."""
         self._weights_generation += 1
         self.model.pack_weights(False)
+        self.model.build_fp32_head(False, False)
 
     def _refresh_packs(self) -> None:
         if self._packed_generation == self._weights_generation or self.weights_released:
             return
         start = time.perf_counter()
+        self.model.build_fp32_head(self.config.fp32_lm_head, self.config.pack_weights)
         self.model.pack_weights(self.config.pack_weights)
         self._packed_generation = self._weights_generation
         self.last_pack_s = time.perf_counter() - start

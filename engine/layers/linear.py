@@ -1,7 +1,10 @@
-"""Linear layers. On CPU in float32 they run oneDNN's matmul instead of the default BLAS path:
+"""Linear layers. On CPU in float32 (and in bfloat16 where the CPU has AVX512-BF16 or AMX) they
+run oneDNN's matmul instead of the default BLAS path:
 measured here (AVX-512 EPYC, 2 threads) the SmolLM2 projections at batch 64 take 43 ms instead
 of 82 ms for all 30 layers, and the 49k-row lm_head 10.7 ms instead of 26 ms, with fp32
 results (max error 5e-6 on unit-scale outputs, as BLAS). Elsewhere: F.linear.
+In bf16 a packed weight matters more: the 64-row projections take 1.4-1.6x less time packed
+than through F.linear, the lm_head 2.2x less (one thread, this machine).
 
 A weight can also be packed: a copy reordered once into oneDNN's blocked layout, which the
 matmul then reads without converting it on every call (37 ms instead of 43 ms for the 30
@@ -27,11 +30,21 @@ def _onednn_available() -> bool:
         return False
 
 
+def _onednn_bf16_fast() -> bool:
+    """oneDNN runs bf16 natively (AVX512-BF16 or AMX); without it, bf16 goes through F.linear."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 _ONEDNN = _onednn_available()
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and _onednn_bf16_fast() else (
+    torch.float32,)
 
 
 def _uses_onednn(t: torch.Tensor) -> bool:
-    return _ONEDNN and t.device.type == "cpu" and t.dtype == torch.float32
+    return _ONEDNN and t.device.type == "cpu" and t.dtype in _ONEDNN_DTYPES
 
 
 def can_pack(weight: torch.Tensor) -> bool:

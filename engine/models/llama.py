@@ -31,6 +31,14 @@ class WeightSlot(NamedTuple):
         return self.param.data[self.start: self.end]
 
 
+class Fp32Head(NamedTuple):
+    """Float32 copies of the final norm and lm_head weights of a bf16/fp16 model."""
+
+    norm_weight: torch.Tensor
+    weight: torch.Tensor  # the packed copy itself when packing applies (saves a copy)
+    packed: torch.Tensor | None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -118,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.fp32_head: Fp32Head | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -127,16 +136,39 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [len(fb.logits_indices), vocab] for the rows that sample."""
-        hidden = self.model(fb)[fb.logits_indices]
+        return self.logits(self.model(fb)[fb.logits_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.fp32_head
+        if head is not None:  # a bf16/fp16 model: final norm and lm_head in float32
+            x = F.rms_norm(hidden.float(), head.norm_weight.shape, head.norm_weight,
+                           self.cfg.rms_norm_eps)
+            return linear(x, head.weight, packed=head.packed)
         return linear(self.model.norm(hidden), self.lm_head_weight,
                       packed=self.lm_head_packed).float()
+
+    def build_fp32_head(self, enable: bool, packed: bool) -> None:
+        """Rebuild (or drop) the float32 copies of the final norm and lm_head weights.
+
+        A cache of the weights, like the packed copies: in a bf16 model the logits (and so the
+        logprobs RL trains on) then carry only the error of the bf16 hidden state, not that of
+        bf16 logits (an ulp of a logit near 20 is 0.125)."""
+        if not enable or self.lm_head_weight.dtype == torch.float32:
+            self.fp32_head = None
+            return
+        weight = self.lm_head_weight.detach().float()
+        pk = pack(weight) if packed else None
+        self.fp32_head = Fp32Head(self.model.norm.weight.detach().float(),
+                                  weight if pk is None else pk, pk)
 
     def pack_weights(self, enable: bool = True) -> None:
         """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py)."""
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None
-        self.lm_head_packed = pack(self.lm_head_weight) if enable else None
+        # With the float32 head (built first) the model-dtype lm_head is never multiplied.
+        self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
+                               else None)
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Every HF checkpoint name this model takes, mapped to where it lands."""

@@ -26,6 +26,7 @@ from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
 from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
@@ -84,6 +85,7 @@ class Scheduler(SchedulerControl):
         self.grammars.shutdown()
 
     def submit(self, reqs: list[Req]) -> None:
+        release_thread_team()  # the caller now waits on us: its idle OpenMP team throttles ours
         self._inbox.put(("reqs", reqs))
 
     def abort(self, rid: str | None, abort_all: bool = False) -> None:
@@ -96,6 +98,7 @@ class Scheduler(SchedulerControl):
         if threading.current_thread() is self._thread:
             return fn()
         future: Future = Future()
+        release_thread_team()
         self._inbox.put(("call", (fn, future)))
         return future.result()
 
@@ -117,6 +120,8 @@ class Scheduler(SchedulerControl):
         there is work it can run)."""
         idle_wait = None  # block on the inbox: None = until something arrives
         while not self._stop.is_set():
+            if not self.has_work:  # idle: keep no OpenMP team that would throttle the caller's
+                release_thread_team()
             self._drain_inbox(block=not self.has_work or idle_wait is not None,
                               timeout=idle_wait)
             if self._stop.is_set():

@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="info")
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="float32")
+    e.add_argument("--dtype", default="auto")
     e.add_argument("--device", default="auto")
     e.add_argument("--max-total-tokens", type=int, default=None)
     e.add_argument("--page-size", type=int, default=1)

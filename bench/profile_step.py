@@ -1,0 +1,130 @@
+"""Where a step's time goes: torch.profiler in the scheduler thread, ops grouped by kind.
+
+python bench/profile_step.py [--dtype bfloat16] [--batch 64] [--new 64]
+Runs `batch` chat prompts x `new` tokens (temperature 1, eos ignored) and profiles every step in
+the scheduler thread. Prints, for the prefill step and the mean decode step: matmuls, attention
+(scores, softmax, weighted sum), KV gather, KV store, norms/rotary/activations and other
+elementwise ops, the lm_head, sampling, and the scheduler's own Python (step wall time minus the
+forward and the sampler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from throughput import chat_prompts  # bench/ is on sys.path when run as a script
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from hotswap.engine import Engine
+from hotswap.engine.models.fetch import ensure_model
+
+MATMUL = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
+          "aten::matmul", "mkldnn::_linear_pointwise.binary"}
+ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
+             "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::scaled_dot_product_attention"}
+KIND_OF = {"aten::index_select": "kv gather", "aten::index_copy_": "kv store",
+           "aten::index_copy": "kv store"}
+SCOPES = ("hs::step", "hs::forward", "hs::lm_head", "hs::sample")
+
+
+def kind(name: str) -> str:
+    if name in MATMUL:
+        return "matmuls"
+    if name in ATTENTION:
+        return "attention"
+    return KIND_OF.get(name, "norms/rotary/act/other")
+
+
+def instrument(engine: Engine) -> None:
+    """Label the step, the forward, the lm_head and the sampler with record_function scopes."""
+    sched, runner = engine.scheduler, engine.runner
+    model = runner.model
+
+    def scoped(label, fn):
+        def wrapper(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    sched.step = scoped("hs::step", sched.step)
+    runner.forward = scoped("hs::forward", runner.forward)
+    model.logits = scoped("hs::lm_head", model.logits)
+    sched.sampler.sample = scoped("hs::sample", sched.sampler.sample)
+
+
+def breakdown(prof) -> dict[str, float]:
+    """ms per kind inside the forward (self CPU time), plus the labelled scopes."""
+    out: dict[str, float] = collections.defaultdict(float)
+    events = prof.events()
+    lm_ranges = [(e.time_range.start, e.time_range.end) for e in events
+                 if e.name == "hs::lm_head"]
+    for e in events:
+        if e.name in SCOPES:
+            out[e.name] += e.cpu_time_total / 1e3
+            continue
+        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in lm_ranges):
+            continue  # counted under the lm_head scope
+        out[kind(e.name)] += e.self_cpu_time_total / 1e3
+    return out
+
+
+def run(engine: Engine, prompts: list[list[int]], new: int) -> list[tuple[bool, dict]]:
+    """Profile each step separately; returns (is_prefill, breakdown) per step."""
+    steps: list[tuple[bool, dict]] = []
+    sched = engine.scheduler
+    inner = sched.step
+
+    def profiled_step() -> bool:
+        before = sched.stats["prefill_tokens"]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            did = inner()
+        if did:
+            steps.append((sched.stats["prefill_tokens"] > before, breakdown(prof)))
+        return did
+
+    sched.step = profiled_step
+    engine.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": new, "temperature": 1.0, "ignore_eos": True})
+    sched.step = inner
+    return steps
+
+
+def report(title: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = ["matmuls", "attention", "kv gather", "kv store", "norms/rotary/act/other",
+            "hs::lm_head", "hs::sample"]
+    mean = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys + list(SCOPES)}
+    sched_py = mean["hs::step"] - mean["hs::forward"] - mean["hs::sample"]
+    print(f"{title} ({len(rows)} steps): step {mean['hs::step']:.2f} ms")
+    for k in keys:
+        print(f"  {k.replace('hs::', ''):<26}{mean[k]:>8.2f} ms")
+    print(f"  {'scheduler python':<26}{sched_py:>8.2f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+    engine = Engine(ensure_model(args.model_path), dtype=args.dtype)
+    instrument(engine)
+    prompts = chat_prompts(engine.tokenizer, args.batch)
+    run(engine, prompts[:2], 4)  # warm-up: packs, allocator, first-call paths
+    engine.flush_cache()
+    start = time.perf_counter()
+    steps = run(engine, prompts, args.new)
+    print(f"dtype {args.dtype}, batch {args.batch}, {time.perf_counter() - start:.2f} s "
+          f"(profiled, slower than unprofiled)")
+    report("prefill", [b for p, b in steps if p])
+    report("decode", [b for p, b in steps if not p][1:])
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
