@@ -266,11 +266,14 @@ class Engine:
 
     def continue_generation(self) -> dict:
         """Commits a staged weight update first (slime pauses, pushes buckets, continues)."""
+        committed = ""
         if self.weights.stage is not None:
-            committed = self.commit_weight_update()
-            if not committed["success"]:
-                return committed
-        return self.scheduler.resume()
+            out = self.commit_weight_update()
+            if not out["success"]:
+                return out
+            committed = "; " + out["message"]
+        out = self.scheduler.resume()
+        return {**out, "message": out["message"] + committed}
 
     def flush_cache(self, timeout_s: float | None = None) -> dict:
         """Commits a staged weight update first: SGLang trainers end a bucketed update with it."""

@@ -9,6 +9,11 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter without CUDA. Triton reads the flag when it is
+    # first imported, and other test modules import it early (peft does), so set it here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,

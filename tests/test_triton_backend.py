@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import os
+import random
+from dataclasses import dataclass
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Without CUDA the kernels run under Triton's interpreter, which @triton.jit picks when the
-    # kernel module is imported, so the flag has to be set before that import below.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import random  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-
-from hotswap.engine.attention.torch_backend import TorchAttnBackend  # noqa: E402
-from hotswap.engine.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from hotswap.engine.core.forward_batch import ForwardBatch  # noqa: E402
-from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool  # noqa: E402
+# Without CUDA the kernels run under Triton's interpreter: conftest.py sets TRITON_INTERPRET.
+from hotswap.engine.attention.torch_backend import TorchAttnBackend
+from hotswap.engine.attention.triton_backend import TritonAttnBackend
+from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_LAYERS = 2

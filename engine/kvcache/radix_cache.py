@@ -120,6 +120,9 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
+    def namespaces(self) -> list[Namespace]:
+        return list(self._roots)
+
     def match_prefix(self, ns: Namespace, tokens: list[int]) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` in `ns`; splits the edge it ends in."""
         root = self._roots.get(ns)

@@ -145,8 +145,10 @@ class Router:
             raise RuntimeError(f"servers disagree on the weight version: {self._named(versions)}")
         return versions[0]
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 flush_cache: bool = True, pause_mode: str = "retract") -> dict:
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                 weight_version: str | None = None, flush_cache: bool = True,
+                                 pause_mode: str = "retract", commit: bool = True) -> dict:
+        _one_version_only(commit)
         return self._two_phase(lambda e: e.prepare_weights_from_disk(model_path),
                                weight_version, pause_mode)
 
@@ -161,9 +163,15 @@ class Router:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        load_format: str | None = None, *,
                                         weight_version: str | None = None,
-                                        flush_cache: bool = True, pause_mode: str = "retract",
-                                        load_format: str | None = None) -> dict:
+                                        pause_mode: str = "retract", commit: bool | None = True,
+                                        lora_name: str | None = None) -> dict:
+        _one_version_only(flush_cache if commit is None else commit)
+        if lora_name is not None:
+            raise ValueError("lora_name: adapter updates are not fanned out by the router yet; "
+                             "send them to each server")
         return self._two_phase(lambda e: e.prepare_weights_from_distributed(
             names, dtypes, shapes, group_name, load_format), weight_version, pause_mode)
 
@@ -300,3 +308,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _one_version_only(commit: bool | None) -> None:
+    if commit is False:
+        raise ValueError("commit=False: staged updates are per server; the router commits every "
+                         "update on all servers or none")

@@ -183,8 +183,10 @@ class WeightManager:
 
         def apply() -> None:
             weight_map = self.runner.weight_map
+            # Received in place where the parameter can take it (not a tensor-parallel shard map).
             into = {n: weight_map[n].view for n, d in zip(names, dtypes)
-                    if not is_ignored(n) and weight_map[n].view.dtype == str_to_dtype(d)}
+                    if not is_ignored(n) and weight_map[n].view.dtype == str_to_dtype(d)
+                    and weight_map[n].view.device.type != "meta"}
             with closing(receive_tensors(group, names, dtypes, shapes, load_format,
                                          device=self.runner.device, into=into)) as received:
                 # Tensors land in place, so a non-finite one is found after the write: the
