@@ -59,7 +59,7 @@ class HotswapRolloutActor:
         return result
 
     def update_weight_cuda_ipc(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("CUDA IPC handles are not supported; use update_weight")
+        raise RuntimeError("CUDA IPC handles are not supported by hotswap; use update_weight")
 
     def reset_prefix_cache(self) -> bool:
         """Commits a staged update, then drops the cached prefixes."""
