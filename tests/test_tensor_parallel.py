@@ -61,9 +61,11 @@ def test_sizes_that_do_not_split_are_value_errors_naming_the_numbers():
 
 @pytest.mark.parametrize("kv_heads", [2, 1])  # split over 2 ranks, replicated on 2 ranks
 def test_shards_reassemble(kv_heads):
-    cfg = _cfg(num_key_value_heads=kv_heads)
+    cfg = _cfg(num_key_value_heads=kv_heads, vocab_size=63)  # vocab padded to 64 over 2 ranks
     hd = cfg.head_dim
-    full = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4 * hd, 64),
+    full = {"model.embed_tokens.weight": torch.randn(63, 64),
+            "lm_head.weight": torch.randn(63, 64),
+            "model.layers.0.self_attn.q_proj.weight": torch.randn(4 * hd, 64),
             "model.layers.0.self_attn.k_proj.weight": torch.randn(kv_heads * hd, 64),
             "model.layers.0.self_attn.o_proj.weight": torch.randn(64, 4 * hd),
             "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64),
@@ -72,6 +74,10 @@ def test_shards_reassemble(kv_heads):
     for name, tensor in full.items():
         shards = [shard_tensor(name, tensor, cfg, r, 2) for r in range(2)]
         assert torch.equal(unshard(name, shards, cfg), tensor), name
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # rows [32r, 32r+32)
+        last = shard_tensor(name, full[name], cfg, 1, 2)
+        assert last.shape == (32, 64) and torch.equal(last[:31], full[name][32:])
+        assert not last[31].any()  # the padding row
     k = "model.layers.0.self_attn.k_proj.weight"
     if kv_heads == 1:  # both ranks' query heads read the one KV head
         assert torch.equal(shard_tensor(k, full[k], cfg, 1, 2), full[k])
@@ -89,7 +95,14 @@ def models(tmp_path_factory) -> dict[str, str]:
     for name in os.listdir(a):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(a, name), os.path.join(qwen, name))
-    return {"a": a, "b": b, "qwen": qwen}
+    # A vocabulary that 2 ranks do not divide (padded to an even size), untied lm_head.
+    vocab = load_file(f"{a}/model.safetensors")["model.embed_tokens.weight"].shape[0]
+    odd = write_tiny_model(str(root / "odd"), "llama", seed=4, num_hidden_layers=2,
+                           vocab_size=vocab - 1 + vocab % 2)
+    for name in os.listdir(a):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(a, name), os.path.join(odd, name))
+    return {"a": a, "b": b, "qwen": qwen, "odd": odd}
 
 
 @pytest.mark.slow
@@ -133,6 +146,41 @@ def test_tp2_equals_tp1_with_replicated_kv_heads_and_bias(models):
         want = _run(one)
     with _engine(models["qwen"], tp_size=2) as two:
         _assert_same(_run(two), want)
+
+
+@pytest.mark.slow
+def test_tp2_with_a_vocab_it_does_not_divide_equals_tp1_and_splits_the_vocab(models):
+    vocab = ModelConfig.from_path(models["odd"]).vocab_size
+    assert vocab % 2
+    with _engine(models["odd"]) as one:
+        want = _run(one)
+        one_bytes = sum(p.numel() * p.element_size() for p in one.runner.model.parameters())
+        head = torch.tensor(one.get_weights_by_name("lm_head.weight", 1 << 30))
+    with _engine(models["odd"], tp_size=2) as two:
+        _assert_same(_run(two), want)
+        ranks = two.runner.memory_per_rank()
+        assert torch.equal(torch.tensor(two.get_weights_by_name("lm_head.weight", 1 << 30)), head)
+    rows = (vocab + 1) // 2
+    assert [(r["embed_rows"], r["lm_head_rows"]) for r in ranks] == [(rows, rows)] * 2
+    # Replicated embedding and lm_head would keep each rank above 70% of the whole model.
+    assert all(r["param_bytes"] < 0.55 * one_bytes for r in ranks), (ranks, one_bytes)
+
+
+@pytest.mark.slow
+def test_bf16_tp2_keeps_the_fp32_lm_head_on_its_vocab_rows(models):
+    def run(tp_size: int) -> tuple[list, tuple[int, ...]]:
+        with Engine(models["a"], device="cpu", dtype="bfloat16", max_total_tokens=2048,
+                    tp_size=tp_size) as engine:
+            head = engine.runner.model.fp32_head
+            assert head is not None and head.weight.dtype == torch.float32
+            return _run(engine), tuple(head.norm_weight.shape) + (head.weight.shape[0],)
+
+    (want, (_, rows_one)), (got, (_, rows_two)) = run(1), run(2)
+    assert rows_two == rows_one // 2 or rows_two == (rows_one + 1) // 2
+    # bf16 hidden states summed in another order: same tokens, logprobs within bf16 noise.
+    for (ids, lps), (want_ids, want_lps) in zip(got, want, strict=True):
+        assert ids == want_ids
+        assert torch.allclose(lps, want_lps, atol=5e-2, rtol=0)
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@
 Rank r of N holds attention heads [r*H/N, (r+1)*H/N) with their KV heads (split when N divides
 the KV heads, replicated when N is a multiple of them), MLP columns [r*I/N, (r+1)*I/N) of
 gate/up and the matching rows of down's input, and o_proj's input columns of its heads
-(row-parallel: partial sums, all-reduced). Embedding, norms and lm_head are replicated. A rank's
-model is then the ordinary model built from `shard_config` (fewer heads, a narrower MLP).
+(row-parallel: partial sums, all-reduced). Embedding and lm_head are vocab-parallel: rank r holds
+rows [r*V'/N, (r+1)*V'/N) of the vocabulary padded to V', the next multiple of N (padding rows are
+zeros and their logits are dropped). Norms are replicated. A rank's model is then the ordinary
+model built from `shard_config` (fewer heads, a narrower MLP, V'/N vocabulary rows).
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from dataclasses import replace
 import torch
 
 from hotswap.engine.config import ModelConfig
+
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def vocab_rows(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rows per rank: the vocabulary padded up to a multiple of tp_size, split."""
+    return -(-vocab_size // tp_size)
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
@@ -34,13 +43,16 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     check_tp(cfg, tp_size)
     return replace(cfg, num_heads=cfg.num_heads // tp_size,
                    num_kv_heads=max(1, cfg.num_kv_heads // tp_size),
-                   intermediate_size=cfg.intermediate_size // tp_size)
+                   intermediate_size=cfg.intermediate_size // tp_size,
+                   vocab_size=vocab_rows(cfg.vocab_size, tp_size))
 
 
 def shard_tensor(name: str, full: torch.Tensor, cfg: ModelConfig, tp_rank: int,
                  tp_size: int) -> torch.Tensor:
     """Rank tp_rank's part of the full HF tensor `name` (a view where possible)."""
     hd = cfg.head_dim
+    if name in VOCAB_PARALLEL:
+        return _vocab_slice(full, tp_rank, vocab_rows(cfg.vocab_size, tp_size))
     part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if part == "q_proj":
         return _rows(full, tp_rank * cfg.num_heads // tp_size * hd, cfg.num_heads // tp_size * hd)
@@ -70,6 +82,8 @@ def kv_head_of(cfg: ModelConfig, tp_rank: int, tp_size: int) -> int:
 def unshard(name: str, shards: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The full tensor from every rank's shard (rank order); inverse of shard_tensor."""
     tp_size = len(shards)
+    if name in VOCAB_PARALLEL:
+        return torch.cat(shards, dim=0)[:cfg.vocab_size]  # drops the padding rows
     part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if part in ("o_proj", "down_proj"):
         return torch.cat(shards, dim=1)
@@ -85,3 +99,13 @@ def unshard(name: str, shards: list[torch.Tensor], cfg: ModelConfig) -> torch.Te
 
 def _rows(full: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return full[start:start + size]
+
+
+def _vocab_slice(full: torch.Tensor, tp_rank: int, rows: int) -> torch.Tensor:
+    """Rows [tp_rank*rows, (tp_rank+1)*rows), zero-padded past the end of the vocabulary."""
+    part = full[tp_rank * rows:(tp_rank + 1) * rows]
+    if part.shape[0] == rows:
+        return part
+    padded = full.new_zeros((rows, *full.shape[1:]))
+    padded[:part.shape[0]] = part
+    return padded

@@ -43,6 +43,14 @@ class TPGroup:
         self._pg.allgather([out], [tensor.contiguous()]).wait()
         return out
 
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0 gets every rank's tensor (the same shape on all ranks); the others None."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        out = [[torch.empty_like(tensor) for _ in range(self.world_size)]] if self.rank == 0 else []
+        self._pg.gather(out, [tensor.contiguous()], opts).wait()
+        return out[0] if self.rank == 0 else None
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's tensor into every rank's (contiguous, same shape and dtype)."""
         if tensor.numel():

@@ -5,7 +5,8 @@ Every rank holds the ordinary model built from `shard_config` (its heads, its ML
 its own KV pool for its KV heads, and the same slot numbering: the scheduler, the allocator and
 the radix cache exist on rank 0 only. Each step rank 0 broadcasts the forward batch (with the
 batch's rows of the req-to-token table) and every rank runs the forward, all-reducing after the
-row-parallel projections; rank 0 samples from its replicated lm_head. Weight writes go through
+row-parallel projections and the vocab-parallel embedding; each rank's lm_head computes the logits
+of its vocabulary rows and rank 0 gathers them and samples. Weight writes go through
 rank 0's weight map, which takes full HF tensors, keeps rank 0's shard and broadcasts the tensor
 to the workers, which slice their own.
 
@@ -31,6 +32,7 @@ from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.distributed.parallel_linear import make_row_parallel
 from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
 from hotswap.engine.distributed.tp_group import TPGroup
+from hotswap.engine.distributed.vocab_parallel import gather_logits, make_vocab_parallel
 from hotswap.engine.errors import WorkerDiedError
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.models import build_model
@@ -51,6 +53,8 @@ class _TPRank(ModelRunner):
         self.full_required = full_map.keys() - (
             {"lm_head.weight"} if full.tie_word_embeddings else set())
         ModelRunner.__init__(self, config, shard_config(full, config.tp_size))
+        # The model holds a block of the vocabulary; the logits rank 0 returns cover all of it.
+        self.model_config = replace(self.model_config, vocab_size=full.vocab_size)
         self.local_map = self.weight_map
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -60,8 +64,25 @@ class _TPRank(ModelRunner):
         """Every rank has loaded its shard (returns on all ranks together)."""
         self.group.all_reduce(torch.zeros(1, device=self.group.device))
 
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return gather_logits(super().forward(fb), self.full_config.vocab_size, self.group)
+
+    def memory(self) -> dict[str, int]:
+        """What this rank holds: parameter bytes and its rows of embedding and lm_head."""
+        return {"param_bytes": sum(s.numel() for _, s in self._param_shapes) * self.dtype.itemsize,
+                "embed_rows": self.local_map["model.embed_tokens.weight"].view.shape[0],
+                "lm_head_rows": self.local_map["lm_head.weight"].view.shape[0]}
+
+    def memory_all_ranks(self) -> list[dict[str, int]]:
+        mine = self.memory()
+        keys = sorted(mine)
+        local = torch.tensor([mine[k] for k in keys], dtype=torch.int64, device=self.group.device)
+        return [dict(zip(keys, t.tolist(), strict=True)) for t in self.group.all_gather(local)]
+
     def _load_weights(self) -> None:
         make_row_parallel(self.model, self)
+        make_vocab_parallel(self.model, self.tp_rank, self)
         meta = read_checkpoint_meta(self.config.model_path)
         check_weights(_Shapes(self.full_shapes), meta, self.full_required)
         local = self.model.hf_weight_map()
@@ -150,6 +171,11 @@ class TPModelRunner(_TPRank):
     def gather_weight(self, name: str) -> torch.Tensor:
         self._command("gather", name)
         return self.gather(name)
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """Every rank's `memory()`, in rank order."""
+        self._command("memory")
+        return self.memory_all_ranks()
 
     def release_weights(self) -> None:
         self._command("release_weights")
@@ -249,6 +275,9 @@ class TPWorkerRunner(_TPRank):
 
     def _do_gather(self, name: str) -> None:
         self.gather(name)
+
+    def _do_memory(self) -> None:
+        self.memory_all_ranks()
 
     def _do_release_weights(self) -> None:
         self.release_weights()
