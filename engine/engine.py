@@ -375,6 +375,12 @@ class Engine:
         return self.weights.init_group(master_address, master_port, rank_offset, world_size,
                                        group_name, backend)
 
+    @property
+    def weight_sync_ranks(self) -> int:
+        """Ranks this engine takes in a trainer's weight-update group: one per TP rank, at
+        rank_offset + tp_rank (a WeightSender counts them into its world size)."""
+        return self.config.tp_size
+
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]],
                                         group_name: str = "weight_update_group",

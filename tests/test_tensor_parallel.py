@@ -18,7 +18,7 @@ from hotswap.engine import Engine
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
 from hotswap.engine.errors import WorkerDiedError
-from hotswap.weight_sync import WeightSender
+from hotswap.weight_sync import WeightSender, WeightSyncError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 20, 21]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
@@ -125,7 +125,8 @@ def test_tp2_equals_tp1_and_updates_equal_a_fresh_engine(models):
 
         tensors = load_file(f"{models['a']}/model.safetensors")
         port = _free_port()
-        sender = WeightSender("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
+        # 1 trainer + 2 TP ranks: each rank joins the trainer's group itself.
+        sender = WeightSender("127.0.0.1", port, world_size=3, backend="gloo", timeout_s=60)
         try:
             reply = sender.send(tensors, [two], weight_version="back-to-a")[0]
         finally:
@@ -181,6 +182,56 @@ def test_bf16_tp2_keeps_the_fp32_lm_head_on_its_vocab_rows(models):
     for (ids, lps), (want_ids, want_lps) in zip(got, want, strict=True):
         assert ids == want_ids
         assert torch.allclose(lps, want_lps, atol=5e-2, rtol=0)
+
+
+@pytest.mark.slow
+def test_distributed_updates_under_tp2_land_on_every_rank_or_on_none(models):
+    down = "model.layers.1.mlp.down_proj.weight"
+    with _engine(models["a"]) as fresh_a:
+        want_a = _run(fresh_a)
+    with _engine(models["b"]) as fresh_b:
+        want_b = _run(fresh_b)
+        down_b = torch.tensor(fresh_b.get_weights_by_name(down, 1 << 20))
+    tensors_a = load_file(f"{models['a']}/model.safetensors")
+    tensors_b = load_file(f"{models['b']}/model.safetensors")
+    with _engine(models["a"], tp_size=2) as two:
+        assert two.weight_sync_ranks == 2
+        sender = WeightSender("127.0.0.1", _free_port(), world_size=3, group_name="direct",
+                              backend="gloo", timeout_s=60)
+        try:
+            assert sender.send(tensors_b, [two], weight_version="b")[0]["success"]
+            _assert_same(_run(two), want_b)
+
+            # A NaN in the last column of down_proj: only rank 1's shard holds it, so only
+            # rank 1 refuses; rank 0 must not write its (finite) shard either.
+            nan = {**tensors_a, down: tensors_a[down].clone()}
+            nan[down][:, -1] = float("nan")
+            with pytest.raises(WeightSyncError, match="rank 1: .*non-finite") as refused:
+                sender.send(nan, [two], weight_version="nan")
+            assert "rank 0" not in str(refused.value)
+            shape = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
+            with pytest.raises(WeightSyncError, match="up_proj"):
+                sender.send(shape, [two], weight_version="shape")
+            assert two.get_weight_version() == "b"
+            assert torch.equal(torch.tensor(two.get_weights_by_name(down, 1 << 20)), down_b)
+            _assert_same(_run(two), want_b)
+        finally:
+            sender.close([two])
+
+        # Two targets update in two phases (prepare on every rank of each, then commit).
+        with _engine(models["b"]) as one:
+            sender = WeightSender("127.0.0.1", _free_port(), world_size=4,
+                                  group_name="two-phase", backend="gloo", timeout_s=60)
+            try:
+                with pytest.raises(WeightSyncError, match="no target committed"):
+                    sender.send(nan, [two, one], weight_version="nan")
+                assert [e.get_weight_version() for e in (two, one)] == ["b", "0"]
+                replies = sender.send(tensors_a, [two, one], weight_version="a")
+                assert [r["weight_version"] for r in replies] == ["a", "a"]
+            finally:
+                sender.close([two, one])
+            _assert_same(_run(one), want_a)
+        _assert_same(_run(two), want_a)
 
 
 @pytest.mark.slow

@@ -43,6 +43,16 @@ class TPGroup:
         self._pg.allgather([out], [tensor.contiguous()]).wait()
         return out
 
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order, on every rank (outcomes to agree on)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64).to(self.device))
+        padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        parts = self.all_gather(padded.to(self.device))
+        return [pickle.loads(p[:int(s.item())].cpu().numpy().tobytes())
+                for p, s in zip(parts, sizes, strict=True)]
+
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0 gets every rank's tensor (the same shape on all ranks); the others None."""
         opts = dist.GatherOptions()

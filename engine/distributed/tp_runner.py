@@ -32,6 +32,11 @@ from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.distributed.parallel_linear import make_row_parallel
 from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
 from hotswap.engine.distributed.tp_group import TPGroup
+from hotswap.engine.distributed.tp_weight_sync import (
+    RankWeightSync,
+    WeightSyncDriver,
+    WeightSyncWorker,
+)
 from hotswap.engine.distributed.vocab_parallel import gather_logits, make_vocab_parallel
 from hotswap.engine.errors import WorkerDiedError
 from hotswap.engine.executor.model_runner import ModelRunner
@@ -41,12 +46,13 @@ from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_ch
 _STOP_TIMEOUT_S = 10.0
 
 
-class _TPRank(ModelRunner):
+class _TPRank(ModelRunner, RankWeightSync):
     """What every rank does: build its shard of the model and load its slices."""
 
     def _init_tp(self, config: EngineConfig, full: ModelConfig, tp_rank: int) -> None:
         self.full_config, self.tp_rank, self.tp_size = full, tp_rank, config.tp_size
         self.group: TPGroup | None = None  # joined by the caller; needed from the first forward
+        self._init_weight_sync()
         with torch.device("meta"):  # shapes only: what a full checkpoint must hold
             full_map = build_model(full, config.context_length or 1).hf_weight_map()
         self.full_shapes = {n: tuple(s.view.shape) for n, s in full_map.items()}
@@ -103,10 +109,13 @@ class _TPRank(ModelRunner):
         return unshard(name, shards, self.full_config)
 
 
-class TPModelRunner(_TPRank):
-    """Rank 0: the Engine's runner; spawns and commands the workers."""
+class TPModelRunner(_TPRank, WeightSyncDriver):
+    """Rank 0: the Engine's runner; spawns and commands the workers. A command and the
+    collectives that follow it hold one lock: the scheduler's forwards and a trainer's update
+    (an RPC thread) never interleave on the group."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self._lock = threading.RLock()
         self.workers: list[mp.Process] = []
         self.dead: str | None = None
         self._init_tp(config, model_config, 0)
@@ -139,6 +148,14 @@ class TPModelRunner(_TPRank):
                                  f"(exit code {worker.exitcode}); the engine cannot run; "
                                  "shut it down and start a new one")
 
+    def _exclusive(self) -> threading.RLock:
+        return self._lock
+
+    @property
+    def weight_sync_ranks(self) -> int:
+        """Ranks this engine takes in a trainer's weight-update group: one per TP rank."""
+        return self.tp_size
+
     def check_alive(self) -> None:
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
@@ -154,48 +171,56 @@ class TPModelRunner(_TPRank):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         width = max(fb.seq_lens_cpu)
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices, :width]
-        self._command("forward", replace(fb, attn_backend=None, rope=None, attn_metadata=None),
-                      rows)
-        try:
-            return super().forward(fb)
-        except RuntimeError as exc:
-            self.check_alive()
-            raise WorkerDiedError(f"tensor-parallel forward failed: {exc}") from exc
+        with self._lock:
+            self._command("forward", replace(fb, attn_backend=None, rope=None,
+                                             attn_metadata=None), rows)
+            try:
+                return super().forward(fb)
+            except RuntimeError as exc:
+                self.check_alive()
+                raise WorkerDiedError(f"tensor-parallel forward failed: {exc}") from exc
 
     def set_weight(self, name: str, full: torch.Tensor) -> None:
         full = full.detach().to(self.group.device).contiguous()
-        self.set_local(name, full)
-        self._command("set", name, tuple(full.shape), full.dtype)
-        self.group.broadcast(full)
+        with self._lock:
+            self.set_local(name, full)
+            self._command("set", name, tuple(full.shape), full.dtype)
+            self.group.broadcast(full)
 
     def gather_weight(self, name: str) -> torch.Tensor:
-        self._command("gather", name)
-        return self.gather(name)
+        with self._lock:
+            self._command("gather", name)
+            return self.gather(name)
 
     def memory_per_rank(self) -> list[dict[str, int]]:
         """Every rank's `memory()`, in rank order."""
-        self._command("memory")
-        return self.memory_all_ranks()
+        with self._lock:
+            self._command("memory")
+            return self.memory_all_ranks()
 
     def release_weights(self) -> None:
-        self._command("release_weights")
-        super().release_weights()
+        with self._lock:
+            self._command("release_weights")
+            super().release_weights()
 
     def resume_weights(self) -> None:
-        self._command("resume_weights")
-        super().resume_weights()
+        with self._lock:
+            self._command("resume_weights")
+            super().resume_weights()
 
     def _wrap_kv_pool(self) -> None:
         # The scheduler frees and reallocates rank 0's pool; the workers' pools follow it.
         pool, release, allocate = self.kv_pool, self.kv_pool.release, self.kv_pool.allocate
 
         def tp_release() -> None:
-            self._command("kv_release")
-            release()
+            with self._lock:
+                self._command("kv_release")
+                release()
 
         def tp_allocate() -> None:
-            self._command("kv_allocate")
-            allocate()
+            with self._lock:
+                self._command("kv_allocate")
+                allocate()
 
         pool.release, pool.allocate = tp_release, tp_allocate
 
@@ -247,7 +272,7 @@ class ShardedWeight:
         return 0
 
 
-class TPWorkerRunner(_TPRank):
+class TPWorkerRunner(_TPRank, WeightSyncWorker):
     def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int,
                  group: TPGroup):
         self._init_tp(config, model_config, rank)

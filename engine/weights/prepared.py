@@ -21,7 +21,7 @@ import torch
 
 from hotswap.engine.models.loader import iter_checkpoint, read_checkpoint_meta
 from hotswap.weight_sync.bucket import str_to_dtype
-from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
+from hotswap.weight_sync.receiver import check_load_format, receive_tensors
 
 if TYPE_CHECKING:
     from hotswap.engine.weights.weight_manager import WeightManager
@@ -54,8 +54,12 @@ class PreparedUpdate:
             self.weights.validate(meta, complete=False)
         except ValueError:
             # Take part in the broadcast anyway, so the sender and the other targets finish.
-            discard_tensors(group, names, dtypes, shapes, load_format)
+            self.weights.discard(group, names, dtypes, shapes, load_format)
             raise
+        if hasattr(self.weights.runner, "receive_update"):  # tensor parallel: on every rank
+            self.weights.receive_on_ranks(names, dtypes, shapes, group_name, load_format)
+            return self._stage(_OnRanks(names), f"{len(names)} tensor(s) from group "
+                               f"{group_name!r} on every tensor-parallel rank")
         # Bucketed receives yield views into fresh per-bucket buffers: keeping them is no copy.
         received = list(receive_tensors(group, names, dtypes, shapes, load_format,
                                         device=self.weights.runner.device))
@@ -79,13 +83,26 @@ class PreparedUpdate:
             tensors, self._tensors = self._tensors, None
         if tensors is None:
             raise ValueError("no prepared weight update to commit; call a prepare method first")
+        if isinstance(tensors, _OnRanks):
+            return self.weights.commit_received(list(tensors.names), weight_version, pause_mode)
         return self.weights.update_from_tensor(tensors, weight_version, pause_mode)
 
     def abort(self) -> dict:
         with self._lock:
-            had, self._tensors = self._tensors is not None, None
-        message = f"dropped the prepared {self._source}" if had else "nothing was prepared"
+            had, self._tensors = self._tensors, None
+        if isinstance(had, _OnRanks):
+            self.weights.runner.drop_received()
+        message = (f"dropped the prepared {self._source}" if had is not None
+                   else "nothing was prepared")
         return {"success": True, "message": message, "weight_version": self.weights.version}
+
+
+class _OnRanks(list):
+    """A prepared update that each tensor-parallel rank holds (its shards), not this list."""
+
+    def __init__(self, names: Sequence[str]):
+        super().__init__()
+        self.names = list(names)
 
 
 def _dtype_or_none(name: str) -> torch.dtype | None:

@@ -140,9 +140,15 @@ class WeightManager:
                    world_size: int, group_name: str, backend: str) -> dict:
         if group_name in self._groups:
             raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
-        self._groups[group_name] = ws_group.init_process_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend,
-            timeout_s=self.runner.config.weight_update_timeout_s, device=self.runner.device)
+        timeout_s = self.runner.config.weight_update_timeout_s
+        join = getattr(self.runner, "join_weight_group", None)
+        if join is not None:  # tensor parallel: each rank joins at rank_offset + its tp rank
+            self._groups[group_name] = join(master_address, master_port, rank_offset, world_size,
+                                            group_name, backend, timeout_s)
+        else:
+            self._groups[group_name] = ws_group.init_process_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend,
+                timeout_s=timeout_s, device=self.runner.device)
         return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
 
     def group(self, group_name: str) -> ws_group.WeightGroup:
@@ -157,6 +163,8 @@ class WeightManager:
         if group is None:
             return {"success": False, "message": f"no weight update group {group_name!r}"}
         group.destroy()
+        if hasattr(self.runner, "leave_weight_group"):  # tensor parallel: the workers' ranks
+            self.runner.leave_weight_group(group_name)
         return {"success": True, "message": f"destroyed {group_name!r}"}
 
     def update_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
@@ -178,8 +186,11 @@ class WeightManager:
             self._prepare(weight_version, pause_mode)
         except ValueError:
             # Take part in the broadcast anyway so the sender finishes instead of timing out.
-            discard_tensors(group, names, dtypes, shapes, load_format)
+            self.discard(group, names, dtypes, shapes, load_format)
             raise
+        if hasattr(self.runner, "receive_update"):  # tensor parallel: every rank receives
+            self.receive_on_ranks(names, dtypes, shapes, group_name, load_format)
+            return self.commit_received(list(names), weight_version, pause_mode, commit)
 
         def apply() -> None:
             weight_map = self.runner.weight_map
@@ -194,6 +205,28 @@ class WeightManager:
                 self._write((n, t) for n, t in self._checked(received) if n not in into)
 
         return self._commit(apply, list(names), weight_version, pause_mode, commit)
+
+    # tensor parallel (engine/distributed/tp_weight_sync.py): all ranks receive, all or none
+
+    def discard(self, group: ws_group.WeightGroup, names: Sequence[str], dtypes: Sequence[str],
+                shapes: Sequence[Sequence[int]], load_format: str | None) -> None:
+        if hasattr(self.runner, "discard_update"):
+            self.runner.discard_update(group.name, (names, dtypes, shapes, load_format))
+        else:
+            discard_tensors(group, names, dtypes, shapes, load_format)
+
+    def receive_on_ranks(self, names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]], group_name: str,
+                         load_format: str | None) -> None:
+        """Every rank receives and keeps its shards; a failure on any rank raises here and
+        leaves the weights as they were on every rank."""
+        self.runner.receive_update(group_name, (list(names), list(dtypes),
+                                                [list(s) for s in shapes], load_format),
+                                   self.runner.config.check_weights_finite)
+
+    def commit_received(self, names: list[str], weight_version: str | None, pause_mode: str,
+                        commit: bool = True) -> dict:
+        return self._commit(self.runner.apply_received, names, weight_version, pause_mode, commit)
 
     # two-phase updates (engine/weights/prepared.py) reuse these checks
 
