@@ -5,7 +5,8 @@
 
 Each measurement runs in a fresh process (engine start, one warm-up request, then the timed
 batch: chat prompts sampled at temperature 1 with eos ignored, then two full
-update_weights_from_tensor pushes); the tp sizes alternate within every repeat, so a slow period
+update_weights_from_tensor pushes, then two full pushes from a WeightSender over gloo in which
+every TP rank holds its own rank); the tp sizes alternate within every repeat, so a slow period
 of a shared machine hits all of them. Prints the median of each and the ratio to the first.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +29,7 @@ def child(args: argparse.Namespace) -> None:
 
     from hotswap.engine import Engine
     from hotswap.engine.models.fetch import ensure_model
+    from hotswap.weight_sync import WeightSender
 
     path = ensure_model(args.model_path)
     start = time.perf_counter()
@@ -46,9 +49,26 @@ def child(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             assert engine.update_weights_from_tensor(tensors)["success"]
             updates.append(time.perf_counter() - start)
+        # 1 trainer + one rank per TP rank of the engine.
+        sender = WeightSender("127.0.0.1", _free_port(), 1 + engine.weight_sync_ranks,
+                              backend="gloo", timeout_s=600)
+        sends = []
+        try:
+            for _ in range(2):
+                start = time.perf_counter()
+                assert sender.send(tensors, [engine])[0]["success"]
+                sends.append(time.perf_counter() - start)
+        finally:
+            sender.close([engine])
     tokens = sum(len(o["output_ids"]) for o in outs)
     print(json.dumps({"tp": args.child, "tok_s": tokens / gen_s, "update_s": min(updates),
-                      "start_s": start_s}), flush=True)
+                      "dist_update_s": min(sends), "start_s": start_s}), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -73,11 +93,12 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             results[tp].append(json.loads(out.strip().splitlines()[-1]))
     base = statistics.median(r["tok_s"] for r in results[args.tp[0]])
-    print(f"{'tp':>3} {'tok/s':>8} {'ratio':>6} {'update s':>9} {'start s':>8}")
+    print(f"{'tp':>3} {'tok/s':>8} {'ratio':>6} {'update s':>9} {'dist s':>7} {'start s':>8}")
     for tp, runs in results.items():
         tok_s = statistics.median(r["tok_s"] for r in runs)
         print(f"{tp:>3} {tok_s:>8.1f} {tok_s / base:>6.2f} "
               f"{statistics.median(r['update_s'] for r in runs):>9.3f} "
+              f"{statistics.median(r['dist_update_s'] for r in runs):>7.3f} "
               f"{statistics.median(r['start_s'] for r in runs):>8.1f}")
 
 
