@@ -6,9 +6,10 @@ its own KV pool for its KV heads, and the same slot numbering: the scheduler, th
 the radix cache exist on rank 0 only. Each step rank 0 broadcasts the forward batch (with the
 batch's rows of the req-to-token table) and every rank runs the forward, all-reducing after the
 row-parallel projections and the vocab-parallel embedding; each rank's lm_head computes the logits
-of its vocabulary rows and rank 0 gathers them and samples. Weight writes go through
-rank 0's weight map, which takes full HF tensors, keeps rank 0's shard and broadcasts the tensor
-to the workers, which slice their own.
+of its vocabulary rows and rank 0 gathers them and samples. Tensor and disk weight writes go
+through rank 0's weight map, which takes full HF tensors, keeps rank 0's shard and broadcasts
+the tensor to the workers, which slice their own; a trainer's process group is joined by every
+rank, each receiving for itself (tp_weight_sync.py).
 
 A worker that dies makes every forward and every new request raise WorkerDiedError; shutdown
 stops the workers and kills any that do not exit.

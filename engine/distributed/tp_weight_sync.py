@@ -7,7 +7,8 @@ is all-or-none over the ranks: each rank receives and checks its shards into a s
 the ranks then exchange their outcomes, and only when every rank succeeded are the shards
 written (a second command); otherwise every rank drops its staging and the weights and the
 version stay as they were. Rank 0 drives each step with one command to the workers; the
-workers run the same methods from their command loop.
+workers run the same methods from their command loop. Forwards wait while a join or a receive
+holds the TP group (the workers are busy with the trainer's broadcast).
 """
 
 from __future__ import annotations
