@@ -95,9 +95,10 @@ def test_sglang_server_args_are_mapped_or_refused(tmp_path):
     with pytest.raises(ValueError, match="enable_dp_attention"):
         sglang.Engine(model_path=str(tmp_path), enable_dp_attention=True)
     kwargs = sglang._engine_kwargs({"model_path": "m", "random_seed": 3, "log_level": "error",
-                                    "disable_radix_cache": True, "mem_fraction_static": 0.5})
+                                    "disable_radix_cache": True, "mem_fraction_static": 0.5,
+                                    "tp_size": 2})
     assert kwargs == {"model_path": "m", "seed": 3, "enable_prefix_cache": False,
-                      "mem_fraction": 0.5}
+                      "mem_fraction": 0.5, "tp_size": 2}
 
 
 def test_vllm_llm_generate_with_token_prompts_and_load_weights(engine):
@@ -117,6 +118,19 @@ def test_vllm_llm_generate_with_token_prompts_and_load_weights(engine):
     assert engine.get_weight_version() == str(start)
     assert llm.reset_prefix_cache()
     assert engine.get_weight_version() == str(start + 1)
+
+
+@pytest.mark.slow
+def test_vllm_tensor_parallel_size_runs_the_engine_over_that_many_ranks(engine):
+    path = engine.config.model_path  # the fixture's checkpoint (its engine's weights moved)
+    with Engine(path, max_total_tokens=4096) as one:
+        want = greedy_ids(one)
+    llm = LLM(path, tensor_parallel_size=2)
+    try:
+        assert llm.engine.config.tp_size == 2 and len(llm.engine.runner.workers) == 1
+        assert greedy_ids(llm.engine) == want
+    finally:
+        llm.engine.shutdown()
 
 
 def test_verl_adapter_buckets_one_version_and_token_output(engine):

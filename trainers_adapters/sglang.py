@@ -34,7 +34,7 @@ _SERVER_ARGS = {"model_path": "model_path", "dtype": "dtype", "device": "device"
                 "context_length": "context_length", "schedule_policy": "schedule_policy",
                 "attention_backend": "attention_backend", "max_total_tokens": "max_total_tokens",
                 "enable_weights_cpu_backup": "enable_weights_cpu_backup",
-                "enable_deterministic_inference": "deterministic"}
+                "enable_deterministic_inference": "deterministic", "tp_size": "tp_size"}
 # ServerArgs that change logging or loading only; accepted so verl's and slime's configs start.
 _IGNORED_ARGS = ("log_level", "trust_remote_code", "skip_server_warmup", "load_format",
                  "enable_memory_saver", "port", "host", "base_gpu_id", "gpu_id_step", "nnodes",

@@ -117,8 +117,9 @@ class LLM:
                  seed: int = 0, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_sleep_mode: bool = False,
                  max_num_seqs: int | None = None, **ignored: Any):
-        """`ignored`: vLLM's placement and memory options (gpu_memory_utilization,
-        tensor_parallel_size=1, distributed_executor_backend, ...), which mean nothing here."""
+        """`tensor_parallel_size` becomes the Engine's tp_size (it spawns its own workers);
+        `ignored`: vLLM's other placement and memory options (gpu_memory_utilization,
+        distributed_executor_backend, ...), which mean nothing here."""
         if engine is None:
             if model is None:
                 raise ValueError("model is required")
@@ -129,8 +130,7 @@ class LLM:
                 kwargs["dtype"] = dtype
             if max_num_seqs is not None:
                 kwargs["max_running_requests"] = max_num_seqs
-            if ignored.get("tensor_parallel_size", 1) != 1:
-                raise ValueError("tensor_parallel_size: use hotswap's Engine(tp_size=...)")
+            kwargs["tp_size"] = ignored.get("tensor_parallel_size", 1)
             engine = HotswapEngine(model, **kwargs)
         self.engine = engine
 
