@@ -7,9 +7,11 @@ import os
 import shutil
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import write_tiny_model
 from fixtures import write_tiny_chat_model
 from safetensors.torch import load_file
@@ -18,6 +20,8 @@ from hotswap.engine import Engine
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
 from hotswap.engine.errors import WorkerDiedError
+from hotswap.trainers_adapters import sglang
+from hotswap.trainers_adapters.groups import destroy_process_group, init_custom_process_group
 from hotswap.weight_sync import WeightSender, WeightSyncError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 20, 21]]
@@ -232,6 +236,38 @@ def test_distributed_updates_under_tp2_land_on_every_rank_or_on_none(models):
                 sender.close([two, one])
             _assert_same(_run(one), want_a)
         _assert_same(_run(two), want_a)
+
+
+@pytest.mark.slow
+def test_sglang_style_trainer_with_rank_offset_per_tp_rank_updates_a_tp2_engine(models):
+    """A trainer that computes the ranks itself, as verl and slime do with SGLang: world size
+    1 + tp_size, the engine at rank_offset 1 (its ranks 1 and 2); buckets with flush_cache=False
+    commit as one version at the last one."""
+    with _engine(models["b"]) as fresh_b:
+        want_b = _run(fresh_b)
+    weights = load_file(f"{models['b']}/model.safetensors")
+    names = list(weights)
+    port, name = _free_port(), "sglang-tp"
+    with _engine(models["a"], tp_size=2) as two, ThreadPoolExecutor(1) as pool:
+        adapter = sglang.Engine(engine=two)
+        joined = pool.submit(adapter.init_weights_update_group, "127.0.0.1", port, 1, 3, name,
+                             "gloo")
+        group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                          world_size=3, rank=0, group_name=name)
+        assert joined.result()[0]
+        buckets = [names[i:i + 5] for i in range(0, len(names), 5)]
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            reply = pool.submit(adapter.update_weights_from_distributed, bucket,
+                                [weights[n].dtype for n in bucket],
+                                [list(weights[n].shape) for n in bucket], name, last)
+            for n in bucket:
+                dist.broadcast(weights[n], 0, group=group)
+            assert reply.result()[0]
+            assert two.get_weight_version() == ("1" if last else "0")
+        _assert_same(_run(two), want_b)
+        assert adapter.destroy_weights_update_group(name)[0]
+        destroy_process_group(group)
 
 
 @pytest.mark.slow
