@@ -1,6 +1,6 @@
 """Where a step's time goes: torch.profiler in the scheduler thread, ops grouped by kind.
 
-python bench/profile_step.py [--dtype bfloat16] [--batch 64] [--new 64]
+python bench/profile_step.py [--dtype bfloat16] [--batch 64] [--new 64] [--top 15]
 Runs `batch` chat prompts x `new` tokens (temperature 1, eos ignored) and profiles every step in
 the scheduler thread. Prints, for the prefill step and the mean decode step: matmuls, attention
 (scores, softmax, weighted sum), KV gather, KV store, norms/rotary/activations and other
@@ -68,6 +68,7 @@ def breakdown(prof) -> dict[str, float]:
         if any(s <= e.time_range.start and e.time_range.end <= t for s, t in lm_ranges):
             continue  # counted under the lm_head scope
         out[kind(e.name)] += e.self_cpu_time_total / 1e3
+        out["op " + e.name] += e.self_cpu_time_total / 1e3
     return out
 
 
@@ -92,7 +93,7 @@ def run(engine: Engine, prompts: list[list[int]], new: int) -> list[tuple[bool, 
     return steps
 
 
-def report(title: str, rows: list[dict]) -> None:
+def report(title: str, rows: list[dict], top: int = 0) -> None:
     if not rows:
         return
     keys = ["matmuls", "attention", "kv gather", "kv store", "norms/rotary/act/other",
@@ -103,6 +104,13 @@ def report(title: str, rows: list[dict]) -> None:
     for k in keys:
         print(f"  {k.replace('hs::', ''):<26}{mean[k]:>8.2f} ms")
     print(f"  {'scheduler python':<26}{sched_py:>8.2f} ms")
+    ops = collections.defaultdict(float)
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("op "):
+                ops[k[3:]] += v / len(rows)
+    for name, ms in sorted(ops.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {name:<40}{ms:>8.2f} ms  ({kind(name)})")
 
 
 def main() -> None:
@@ -111,6 +119,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--top", type=int, default=0, help="also list the N costliest ops")
     args = parser.parse_args()
     engine = Engine(ensure_model(args.model_path), dtype=args.dtype)
     instrument(engine)
@@ -121,8 +130,8 @@ def main() -> None:
     steps = run(engine, prompts, args.new)
     print(f"dtype {args.dtype}, batch {args.batch}, {time.perf_counter() - start:.2f} s "
           f"(profiled, slower than unprofiled)")
-    report("prefill", [b for p, b in steps if p])
-    report("decode", [b for p, b in steps if not p][1:])
+    report("prefill", [b for p, b in steps if p], args.top)
+    report("decode", [b for p, b in steps if not p][1:], args.top)
     engine.shutdown()
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import json
 import os
 import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -57,6 +60,11 @@ class Engine:
         self.prepared = PreparedUpdate(self.weights)
         self.loras.attach(self.scheduler)
         self.scheduler.start()
+        # A process that ends without shutdown() would finalize while the scheduler thread (a
+        # daemon) may be inside a step: the interpreter then ends that thread inside torch's C++
+        # and the process aborts ("terminate called without an active exception").
+        self._at_exit = functools.partial(_shutdown_if_alive, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -76,6 +84,7 @@ class Engine:
         self.shutdown()
 
     def shutdown(self) -> None:
+        atexit.unregister(self._at_exit)
         self.scheduler.shutdown()
         self.weights.close()
         if hasattr(self.runner, "shutdown"):  # tensor parallel: stop the worker processes
@@ -461,6 +470,12 @@ def _memory_tags(tags: list[str] | None) -> list[str]:
     if not isinstance(tags, list) or not tags or any(t not in _MEMORY_TAGS for t in tags):
         raise ValueError(f"tags must be a non-empty list drawn from {list(_MEMORY_TAGS)}")
     return tags
+
+
+def _shutdown_if_alive(ref: weakref.ref[Engine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()
 
 
 def _in_own_thread(fn: Callable[[], Any]) -> Any:

@@ -155,6 +155,10 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"world_size": world, "ranks": checks}), flush=True)
     engine.shutdown()
+    # gloo's worker thread frees an object collective's Python tensors after the caller's wait
+    # returns; a process that exits right then aborts ("terminate called without an active
+    # exception"). A barrier (no Python tensors) runs after that cleanup on the same thread.
+    dist.barrier()
     dist.destroy_process_group()
 
 
