@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from hotswap.engine import Engine
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
+from hotswap.engine.distributed.vocab_parallel import VocabParallelEmbedding, gather_logits
 from hotswap.engine.errors import WorkerDiedError
 from hotswap.trainers_adapters import sglang
 from hotswap.trainers_adapters.groups import destroy_process_group, init_custom_process_group
@@ -85,6 +86,36 @@ def test_shards_reassemble(kv_heads):
     k = "model.layers.0.self_attn.k_proj.weight"
     if kv_heads == 1:  # both ranks' query heads read the one KV head
         assert torch.equal(shard_tensor(k, full[k], cfg, 1, 2), full[k])
+
+
+class _Blocks:
+    """Stands in for the TP group: rank 0's gather returns every simulated rank's block."""
+
+    def __init__(self, blocks: list[torch.Tensor]):
+        self.blocks = blocks
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.blocks
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        pass  # each simulated rank's partial embedding is summed by the test
+
+
+@pytest.mark.parametrize("vocab,tp_size", [(7, 2), (4, 3), (9, 3)])  # (4, 3): rank 2 all padding
+def test_vocab_parallel_embedding_and_logits_equal_the_whole_vocabulary(vocab, tp_size):
+    cfg = _cfg(vocab_size=vocab)
+    weight = torch.randn(vocab, 8)
+    shards = [shard_tensor("lm_head.weight", weight, cfg, r, tp_size) for r in range(tp_size)]
+    rows = shards[0].shape[0]
+    assert all(s.shape[0] == rows for s in shards) and rows * tp_size >= vocab
+    ids = torch.arange(vocab).flip(0)
+    parts = [VocabParallelEmbedding(torch.nn.Embedding.from_pretrained(s), r * rows, _Blocks([]))
+             for r, s in enumerate(shards)]
+    assert torch.equal(sum(p(ids) for p in parts), weight[ids])
+    hidden = torch.randn(5, 8)
+    logits = gather_logits(hidden @ shards[0].T, vocab, _Blocks([hidden @ s.T for s in shards]))
+    assert logits.shape == (5, vocab) and logits.is_contiguous()
+    assert torch.allclose(logits, hidden @ weight.T, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
