@@ -145,6 +145,9 @@ class WeightManager:
         if join is not None:  # tensor parallel: each rank joins at rank_offset + its tp rank
             self._groups[group_name] = join(master_address, master_port, rank_offset, world_size,
                                             group_name, backend, timeout_s)
+            last = rank_offset + self.runner.tp_size - 1
+            return {"success": True,
+                    "message": f"joined {group_name!r} as ranks {rank_offset}..{last}"}
         else:
             self._groups[group_name] = ws_group.init_process_group(
                 master_address, master_port, rank_offset, world_size, group_name, backend,
