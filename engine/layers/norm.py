@@ -12,9 +12,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; same math as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused op. In bf16/fp16 it computes in float32 and rounds once at the end, where
+        # HF rounds the normalised input before the weight multiply (1 ulp apart at most).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -14,7 +14,7 @@ from torch import nn
 
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
-from hotswap.engine.layers.linear import Linear, linear, pack
+from hotswap.engine.layers.linear import Linear, linear, onednn_path, pack, silu_mul
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -39,6 +39,15 @@ class Fp32Head(NamedTuple):
     packed: torch.Tensor | None
 
 
+def _project(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + proj(x): the add fused into the matmul where proj is a plain Linear (a
+    tensor-parallel wrapper all-reduces first, so it adds afterwards)."""
+    if isinstance(proj, Linear):
+        return proj(x, residual)
+    out = proj(x)
+    return out if residual is None else out + residual
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -50,7 +59,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, residual: torch.Tensor
+                ) -> torch.Tensor:
+        """residual + attention(x)."""
         cfg = self.cfg
         qkv = self.qkv_proj(x)
         if fb.lora is not None:
@@ -65,7 +76,7 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([cfg.q_size, cfg.kv_size], dim=-1)
         v = qkv[:, cfg.q_size + cfg.kv_size:]
         o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        out = self.o_proj(o)
+        out = _project(self.o_proj, o, residual)
         return out if fb.lora is None else fb.lora.apply(self.layer_id, "o", o, out)
 
 
@@ -76,16 +87,39 @@ class LlamaMLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # Packed copies of the gate and the up halves (`pack`): then SiLU and the product run
+        # as post-ops of the two matmuls (layers/linear.py silu_mul).
+        self.gate_up_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
+    def pack(self, enable: bool) -> None:
+        weight, size = self.gate_up_proj.weight, self.intermediate
+        halves = (pack(weight[:size]), pack(weight[size:])) if enable else (None, None)
+        self.gate_up_packed = None if halves[0] is None else halves
+        if self.gate_up_packed is not None:  # never multiplied whole while the halves exist
+            self.gate_up_proj.packed = None
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual +) mlp(x)."""
         lora = fb.lora if fb is not None else None
-        gate_up = self.gate_up_proj(x)
-        if lora is not None:
-            lora.apply(self.layer_id, "gate_up", x, gate_up)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
-        out = self.down_proj(h)
+        if self.gate_up_packed is not None and lora is None and onednn_path(x):
+            h = silu_mul(x, *self.gate_up_packed)
+        else:
+            gate_up = self._gate_up(x)
+            if lora is not None:
+                lora.apply(self.layer_id, "gate_up", x, gate_up)
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = F.silu(gate) * up
+        out = _project(self.down_proj, h, residual)
         return out if lora is None else lora.apply(self.layer_id, "down", h, out)
+
+    def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_packed is None:
+            return self.gate_up_proj(x)
+        weight, size = self.gate_up_proj.weight, self.intermediate
+        gate_packed, up_packed = self.gate_up_packed
+        return torch.cat((linear(x, weight[:size], packed=gate_packed),
+                          linear(x, weight[size:], packed=up_packed)), -1)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,8 +131,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb)
-        return x + self.mlp(self.post_attention_layernorm(x), fb)
+        x = self.self_attn(self.input_layernorm(x), fb, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), fb, residual=x)
 
 
 class LlamaModel(nn.Module):
@@ -166,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, LlamaMLP):
+                layer.mlp.pack(enable)
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
         self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
                                else None)
