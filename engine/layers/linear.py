@@ -20,11 +20,6 @@ from torch import nn
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it.
 PACK_ROWS_HINT = 64
-# float32 inputs of at most this many rows (batch-1 decode) go to F.linear: MKL's matrix-vector
-# kernel streams the weight faster than oneDNN does (measured, 30 layers' gate_up and down of
-# SmolLM2, weights not in cache: 1 row 12.3 ms against 15.1 ms packed, 2 rows 13.4 against 15.4;
-# from 4 rows on oneDNN wins, 15.7 against 20.0). bf16 packed wins at every row count.
-FP32_GEMV_ROWS = 2
 
 
 def _onednn_available() -> bool:
@@ -52,13 +47,6 @@ def _uses_onednn(t: torch.Tensor) -> bool:
     return _ONEDNN and t.device.type == "cpu" and t.dtype in _ONEDNN_DTYPES
 
 
-def onednn_path(x: torch.Tensor) -> bool:
-    """Whether `linear` runs x through oneDNN (else F.linear, which ignores packed copies)."""
-    if not (_uses_onednn(x) and x.dim() == 2):
-        return False
-    return x.dtype != torch.float32 or x.shape[0] > FP32_GEMV_ROWS
-
-
 def can_pack(weight: torch.Tensor) -> bool:
     return (_uses_onednn(weight) and weight.dim() == 2
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -77,7 +65,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T + bias (+ residual); `packed`, when given, must be pack(weight) of the
     current weight. On oneDNN the residual add is a post-op of the matmul (no extra pass over
     the output, and in bf16 one rounding instead of two)."""
-    if onednn_path(x) or weight.is_mkldnn:  # (a weight kept only packed: the fp32 lm_head)
+    # Every row count takes the same path, so a row's result does not depend on how many rows
+    # share its step. (MKL's float32 matrix-vector kernel streams the weights ~20% faster at 1-2
+    # rows, and SiLU/product as oneDNN post-ops save a pass at 64 rows, but both give results
+    # that differ in the last bits with the row count.)
+    if _uses_onednn(x) and x.dim() == 2:
         w = weight if packed is None else packed
         if residual is not None and residual.dtype == x.dtype:
             return torch.ops.mkldnn._linear_pointwise.binary(
@@ -86,16 +78,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         out = F.linear(x, weight, bias)
     return out if residual is None else out.add_(residual)
-
-
-def silu_mul(x: torch.Tensor, gate_packed: torch.Tensor, up_packed: torch.Tensor
-             ) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) from the packed gate and up weights (see `pack`), for x on
-    the oneDNN path: SiLU is a post-op of the first matmul and the product one of the second, so
-    the [T, 2I] gate_up output, its split and two elementwise passes never exist."""
-    x = x.contiguous()
-    gate = torch.ops.mkldnn._linear_pointwise(x, gate_packed, None, "swish", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_packed, None, "mul")
 
 
 class Linear(nn.Linear):

@@ -14,7 +14,7 @@ from torch import nn
 
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
-from hotswap.engine.layers.linear import Linear, linear, onednn_path, pack, silu_mul
+from hotswap.engine.layers.linear import Linear, linear, pack
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -87,39 +87,18 @@ class LlamaMLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        # Packed copies of the gate and the up halves (`pack`): then SiLU and the product run
-        # as post-ops of the two matmuls (layers/linear.py silu_mul).
-        self.gate_up_packed: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def pack(self, enable: bool) -> None:
-        weight, size = self.gate_up_proj.weight, self.intermediate
-        halves = (pack(weight[:size]), pack(weight[size:])) if enable else (None, None)
-        self.gate_up_packed = None if halves[0] is None else halves
-        if self.gate_up_packed is not None:  # never multiplied whole while the halves exist
-            self.gate_up_proj.packed = None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """(residual +) mlp(x)."""
         lora = fb.lora if fb is not None else None
-        if self.gate_up_packed is not None and lora is None and onednn_path(x):
-            h = silu_mul(x, *self.gate_up_packed)
-        else:
-            gate_up = self._gate_up(x)
-            if lora is not None:
-                lora.apply(self.layer_id, "gate_up", x, gate_up)
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            h = F.silu(gate) * up
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_id, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
         out = _project(self.down_proj, h, residual)
         return out if lora is None else lora.apply(self.layer_id, "down", h, out)
-
-    def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_packed is None:
-            return self.gate_up_proj(x)
-        weight, size = self.gate_up_proj.weight, self.intermediate
-        gate_packed, up_packed = self.gate_up_packed
-        return torch.cat((linear(x, weight[:size], packed=gate_packed),
-                          linear(x, weight[size:], packed=up_packed)), -1)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,9 +179,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, LlamaMLP):
-                layer.mlp.pack(enable)
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
         self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
                                else None)
