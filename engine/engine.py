@@ -402,9 +402,12 @@ class Engine:
         """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
         it (bumping its version); the base weights and their version are untouched."""
         if lora_name is not None:
+            group = self.weights.group(group_name)
+            if self.config.tp_size > 1:  # take part in the broadcast, so the sender finishes
+                self.weights.discard(group, names, dtypes, shapes, load_format)
+                self._check_lora_supported()
             return self.loras.update_from_distributed(
-                lora_name, self.weights.group(group_name), names, dtypes, shapes, load_format,
-                pause_mode)
+                lora_name, group, names, dtypes, shapes, load_format, pause_mode)
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
                                                     weight_version, pause_mode,
                                                     load_format, commit)
@@ -437,12 +440,20 @@ class Engine:
     def load_lora_adapter(self, lora_name: str, lora_path: str, *,
                           pause_mode: str = "retract") -> dict:
         """Load (or replace) an adapter from a PEFT folder; bumps its version."""
+        self._check_lora_supported()
         return self.loras.load_from_path(lora_name, lora_path, pause_mode)
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
                                        *, pause_mode: str = "retract") -> dict:
         """tensors: PEFT name -> tensor (dict or pairs); config_dict: adapter_config.json."""
+        self._check_lora_supported()
         return self.loras.load_from_tensors(lora_name, tensors, config_dict, pause_mode)
+
+    def _check_lora_supported(self) -> None:
+        if self.config.tp_size > 1:
+            raise ValueError(f"LoRA adapters are not available with tp_size="
+                             f"{self.config.tp_size} (adapter deltas are not sharded over "
+                             "tensor-parallel ranks); use tp_size=1")
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         return self.loras.unload(lora_name)

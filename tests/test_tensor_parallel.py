@@ -182,6 +182,11 @@ def test_tp2_equals_tp1_with_replicated_kv_heads_and_bias(models):
         want = _run(one)
     with _engine(models["qwen"], tp_size=2) as two:
         _assert_same(_run(two), want)
+        # LoRA deltas are not sharded: refused with a clear error, and the engine serves on
+        with pytest.raises(ValueError, match="tp_size=2"):
+            two.load_lora_adapter_from_tensors("a", {}, {"r": 4, "lora_alpha": 8,
+                                                         "target_modules": ["q_proj"]})
+        _assert_same(_run(two), want)
 
 
 @pytest.mark.slow
