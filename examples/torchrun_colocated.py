@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -155,11 +157,15 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"world_size": world, "ranks": checks}), flush=True)
     engine.shutdown()
-    # gloo's worker thread frees an object collective's Python tensors after the caller's wait
-    # returns; a process that exits right then aborts ("terminate called without an active
-    # exception"). A barrier (no Python tensors) runs after that cleanup on the same thread.
-    dist.barrier()
     dist.destroy_process_group()
+    # torch 2.13's gloo worker threads free a finished collective's tensors (taking the GIL)
+    # after the caller's wait has returned, and destroy_process_group does not join them: if
+    # that lands in interpreter finalization the process aborts ("terminate called without an
+    # active exception", seen in CI and in core dumps here, also after a barrier, whose work
+    # holds the previous ones). So the script ends without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
