@@ -321,7 +321,9 @@ def test_smollm2_adapter_equals_hf_peft(real_model_path, tmp_path):
     for ids, out in zip(prompts, outs):
         ref_ids, ref_lps = hf_greedy(pm, ids, out["output_ids"])
         assert out["output_ids"] == ref_ids
-        assert max(abs(a - b) for a, b in zip(engine_lps(out), ref_lps)) < 1e-4
+        # As test_real_model: 30 float32 layers through oneDNN and through HF's BLAS round
+        # apart by up to ~2e-4 on some CPUs (1.5e-4 measured on an AMD EPYC).
+        assert max(abs(a - b) for a, b in zip(engine_lps(out), ref_lps)) < 1e-3
 
 
 def _trainer_logprobs(pm, outs: list[dict], prompts: list[list[int]]) -> list[list[float]]:

@@ -203,6 +203,18 @@ def test_sse_wire_format_ends_with_done(user):
     assert all("choices" in json.loads(f[6:]) for f in frames[:-1])
 
 
+def test_streamed_text_with_unicode_line_separators(server):
+    """U+2028, U+2029 and U+0085 are line ends to str.splitlines() (and httpx's aiter_lines):
+    a streamed frame holding one raw would be cut in two. The `choices` grammar makes the
+    random model write them."""
+    text = "a\u2028b\x85c\u2029d"
+    remote = RemoteEngine(server.url, api_key=API_KEY)
+    events = list(remote.generate(prompt=PROMPT, stream=True,
+                                  sampling_params={"choices": [text], "max_new_tokens": 32}))
+    assert "".join(e["text"] for e in events) == text  # each event carries its new text
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 @pytest.mark.parametrize("fmt", [
     {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},

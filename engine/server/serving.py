@@ -38,13 +38,19 @@ def _state(request: Request) -> ServerState:
 State = Annotated[ServerState, Depends(_state)]
 
 
+# Characters that str.splitlines() (and so httpx's aiter_lines) takes as line ends but that
+# json.dumps(ensure_ascii=False) leaves raw: a model's text holding one would cut an SSE line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> bytes:
-    """JSON with non-finite floats (a -inf logprob) replaced, since JSON has no infinity."""
+    """One line of JSON, UTF-8: non-finite floats (a -inf logprob) replaced, since JSON has no
+    infinity, and Unicode line separators escaped."""
     try:
         text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except ValueError:
         text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8", "replace")
+    return text.translate(_LINE_BREAKS).encode("utf-8", "replace")
 
 
 def _finite(obj: Any) -> Any:
