@@ -6,21 +6,25 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_tiny_model
-from fixtures import write_tiny_chat_model
+from fixtures import ServerThread, write_tiny_chat_model
 from safetensors.torch import load_file
 
-from hotswap.engine import Engine
+from hotswap.engine import Engine, RemoteEngine, Router
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.distributed.shard import shard_config, shard_tensor, unshard
 from hotswap.engine.distributed.vocab_parallel import VocabParallelEmbedding, gather_logits
 from hotswap.engine.errors import WorkerDiedError
+from hotswap.engine.server.router_app import create_router_app
 from hotswap.trainers_adapters import sglang
 from hotswap.trainers_adapters.groups import destroy_process_group, init_custom_process_group
 from hotswap.weight_sync import WeightSender, WeightSyncError
@@ -336,6 +340,68 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _serve(model: str, tp_size: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "HOTSWAP_API_KEY": "", "HOTSWAP_ADMIN_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", model,
+                             "--port", str(port), "--device", "cpu", "--max-total-tokens", "2048",
+                             "--tp-size", str(tp_size), "--log-level", "error"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+@pytest.mark.slow
+def test_http_server_with_tp_size_behind_a_router_counts_every_rank(models):
+    """`python -m hotswap.engine.server --tp-size 2` beside a TP=1 server, behind a router app:
+    a RemoteEngine of the router counts 3 weight-sync ranks, a WeightSender of world size 4
+    moves both servers to one version, and both serve what fresh TP=1 engines serve."""
+    with _engine(models["a"]) as fresh_a:
+        want_a = _run(fresh_a)
+    with _engine(models["b"]) as fresh_b:
+        want_b = _run(fresh_b)
+    servers = [_serve(models["a"], tp) for tp in (2, 1)]
+    try:
+        for proc, url in servers:
+            _wait_healthy(proc, url)
+        tp2, tp1 = (RemoteEngine(url) for _, url in servers)
+        assert (tp2.weight_sync_ranks, tp1.weight_sync_ranks) == (2, 1)
+        _assert_same(_run(tp2), want_a)
+        with ServerThread(create_router_app(Router([url for _, url in servers]))) as app:
+            routed = RemoteEngine(app.url)
+            assert routed.weight_sync_ranks == 3
+            sender = WeightSender("127.0.0.1", _free_port(), world_size=4, group_name="http-tp",
+                                  backend="gloo", timeout_s=60)
+            try:
+                tensors = load_file(f"{models['b']}/model.safetensors")
+                assert sender.send(tensors, [routed], weight_version="b")[0]["success"]
+            finally:
+                sender.close([routed])
+        assert [e.get_weight_version() for e in (tp2, tp1)] == ["b", "b"]
+        _assert_same(_run(tp2), want_b)
+        _assert_same(_run(tp1), want_b)
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+        for proc, _ in servers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 @pytest.mark.slow

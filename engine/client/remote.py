@@ -33,6 +33,7 @@ class RemoteEngine:
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._client = httpx.Client(base_url=self.url, timeout=self._timeout)
         self._async: dict[int, httpx.AsyncClient] = {}  # one per event loop
+        self._weight_sync_ranks: int | None = None
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.url!r})"
@@ -167,6 +168,16 @@ class RemoteEngine:
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         return self._post_control("/update_weight_version", new_version=new_version,
                                   abort_all_requests=abort_all_requests)
+
+    @property
+    def weight_sync_ranks(self) -> int:
+        """Ranks the server takes in a trainer's weight-update group: its tensor-parallel size
+        (every TP rank joins the group itself), or for a router every server's. Asked of the
+        server once."""
+        if self._weight_sync_ranks is None:
+            info = self._call("GET", "/get_server_info")
+            self._weight_sync_ranks = int(info.get("weight_sync_ranks", 1))
+        return self._weight_sync_ranks
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",

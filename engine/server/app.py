@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disable-prefix-cache", action="store_true")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--deterministic", action="store_true")
+    e.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (worker processes started by the server; each "
+                        "joins a trainer's weight-update group itself)")
     e.add_argument("--mem-fraction", type=float, default=0.3)
     e.add_argument("--context-length", type=int, default=None)
     e.add_argument("--weight-update-timeout-s", type=float, default=300.0)
@@ -277,7 +280,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_prefill_tokens=args.max_prefill_tokens,
                 schedule_policy=args.schedule_policy, attention_backend=args.attention_backend,
                 enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
-                deterministic=args.deterministic, mem_fraction=args.mem_fraction,
+                deterministic=args.deterministic, tp_size=args.tp_size,
+                mem_fraction=args.mem_fraction,
                 context_length=args.context_length,
                 weight_update_timeout_s=args.weight_update_timeout_s,
                 pack_weights=not args.no_pack_weights,

@@ -51,8 +51,6 @@ class Router:
         self._down_until = [0.0] * len(self.urls)
         self._lock = threading.Lock()
         self._proposed: str | None = None
-        # A WeightSender counts one rank per server behind this router.
-        self.weight_sync_ranks = len(self.urls)
 
     def __repr__(self) -> str:
         return f"Router({self.urls!r})"
@@ -152,12 +150,20 @@ class Router:
         return self._two_phase(lambda e: e.prepare_weights_from_disk(model_path),
                                weight_version, pause_mode)
 
+    @property
+    def weight_sync_ranks(self) -> int:
+        """What a WeightSender counts for this router: every server's ranks (its TP size)."""
+        return sum(e.weight_sync_ranks for e in self.engines)
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "auto") -> dict:
-        """Server i joins as rank rank_offset + i: the trainer counts one rank per server."""
+        """Server i joins at rank_offset + the ranks of the servers before it (one per server
+        unless a server runs tensor parallel)."""
+        offsets = [rank_offset + sum(e.weight_sync_ranks for e in self.engines[:i])
+                   for i in range(len(self.engines))]
         results = self.fan_out_indexed(lambda i, e: e.init_weights_update_group(
-            master_address, master_port, rank_offset + i, world_size, group_name, backend))
+            master_address, master_port, offsets[i], world_size, group_name, backend))
         return self._combined(results, f"joined {group_name!r}")
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],

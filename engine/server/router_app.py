@@ -24,6 +24,7 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
+from hotswap.engine.errors import RemoteEngineError
 from hotswap.engine.server.app import _install_error_handlers
 from hotswap.engine.server.control_api import control_paths
 from hotswap.engine.server.prepared_routes import (
@@ -86,6 +87,21 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
                                   await asyncio.to_thread(router.get_weight_version)})
         except RuntimeError as exc:
             return error_response(503, str(exc), "server_unavailable")
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        """One server's answer, with what a trainer's group must count for all of them."""
+        try:
+            ranks = await asyncio.to_thread(lambda: router.weight_sync_ranks)
+            upstream = await clients[_least_loaded(router)].get("/get_server_info",
+                                                                headers=headers(False))
+        except (httpx.TransportError, RemoteEngineError) as exc:
+            return error_response(502, f"a server is unreachable: {exc}", "server_unavailable")
+        if upstream.status_code >= 400:
+            return Response(upstream.content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type"))
+        return json_response({**upstream.json(), "weight_sync_ranks": ranks,
+                              "servers": router.urls})
 
     async def proxy(request: Request) -> Response:
         body = await request.body()

@@ -142,6 +142,7 @@ async def get_server_info(state: State) -> Response:
     config = state.engine.config
     info = {k: v for k, v in vars(config).items() if isinstance(v, (str, int, float, bool))}
     return json_response({**info, "weight_version": state.engine.get_weight_version(),
+                          "weight_sync_ranks": state.engine.weight_sync_ranks,
                           "max_total_num_tokens": state.engine.runner.allocator.size,
                           "version": "hotswap"})
 
