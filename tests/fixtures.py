@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 from conftest import write_tiny_model
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -137,8 +139,6 @@ def _wait_for_finished(url: str, count: int, timeout_s: float) -> None:
     """Wait until `count` more requests finished with "length" (read from the open /metrics)."""
     import re
 
-    import httpx
-
     def finished() -> float:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         match = re.search(r'hotswap_finished_requests_total\{reason="length"\} (\S+)', text)
@@ -148,3 +148,19 @@ def _wait_for_finished(url: str, count: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while finished() < target and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def wait_healthy(procs: list[subprocess.Popen], url: str, timeout_s: float = 90) -> None:
+    """Until `url`/health answers 200; fails at once if any of `procs` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a process exited: {proc.communicate()[0][-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not become healthy")

@@ -9,11 +9,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from fixtures import CORPUS, write_tiny_chat_model
+from fixtures import CORPUS, wait_healthy, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine, Router
@@ -44,21 +43,6 @@ def _start(args: list[str], cwd: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(procs: list[subprocess.Popen], url: str, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a process exited: {proc.communicate()[0][-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two servers of model `a`, started in different folders: the relative checkpoint path
@@ -76,7 +60,7 @@ def cluster(tmp_path_factory):
     servers.append(_start(["hotswap.engine.server.router", "--urls", *urls], str(root)))
     procs = [p for p, _ in servers]
     try:
-        _wait_healthy(procs, servers[-1][1], 150)
+        wait_healthy(procs, servers[-1][1], 150)
         router_url = servers[-1][1]
         yield {"urls": urls, "router": router_url, "a": a, "b": b}
     finally:

@@ -11,12 +11,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_tiny_model
-from fixtures import ServerThread, write_tiny_chat_model
+from fixtures import ServerThread, wait_healthy, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine, Router
@@ -352,19 +351,6 @@ def _serve(model: str, tp_size: int) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[0][-2000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not become healthy")
-
-
 @pytest.mark.slow
 def test_http_server_with_tp_size_behind_a_router_counts_every_rank(models):
     """`python -m hotswap.engine.server --tp-size 2` beside a TP=1 server, behind a router app:
@@ -377,7 +363,7 @@ def test_http_server_with_tp_size_behind_a_router_counts_every_rank(models):
     servers = [_serve(models["a"], tp) for tp in (2, 1)]
     try:
         for proc, url in servers:
-            _wait_healthy(proc, url)
+            wait_healthy([proc], url, 120)
         tp2, tp1 = (RemoteEngine(url) for _, url in servers)
         assert (tp2.weight_sync_ranks, tp1.weight_sync_ranks) == (2, 1)
         _assert_same(_run(tp2), want_a)
