@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +34,7 @@ class PreparedUpdate:
     def __init__(self, weights: WeightManager):
         self.weights = weights
         self._lock = threading.Lock()
-        self._tensors: list[tuple[str, torch.Tensor]] | None = None
+        self._tensors: list[tuple[str, torch.Tensor]] | _OnRanks | None = None
         self._source = ""
 
     @property
@@ -58,7 +59,7 @@ class PreparedUpdate:
             raise
         if hasattr(self.weights.runner, "receive_update"):  # tensor parallel: on every rank
             self.weights.receive_on_ranks(names, dtypes, shapes, group_name, load_format)
-            return self._stage(_OnRanks(names), f"{len(names)} tensor(s) from group "
+            return self._stage(_OnRanks(list(names)), f"{len(names)} tensor(s) from group "
                                f"{group_name!r} on every tensor-parallel rank")
         # Bucketed receives yield views into fresh per-bucket buffers: keeping them is no copy.
         received = list(receive_tensors(group, names, dtypes, shapes, load_format,
@@ -71,7 +72,7 @@ class PreparedUpdate:
         tensors = [(n, t) for n, t in iter_checkpoint(model_path) if n in known]
         return self._stage(tensors, f"checkpoint {model_path!r}")
 
-    def _stage(self, tensors: list[tuple[str, torch.Tensor]], source: str) -> dict:
+    def _stage(self, tensors: list[tuple[str, torch.Tensor]] | _OnRanks, source: str) -> dict:
         with self._lock:
             self._tensors, self._source = tensors, source
         return {"success": True, "message": f"prepared {source}",
@@ -84,7 +85,7 @@ class PreparedUpdate:
         if tensors is None:
             raise ValueError("no prepared weight update to commit; call a prepare method first")
         if isinstance(tensors, _OnRanks):
-            return self.weights.commit_received(list(tensors.names), weight_version, pause_mode)
+            return self.weights.commit_received(tensors.names, weight_version, pause_mode)
         return self.weights.update_from_tensor(tensors, weight_version, pause_mode)
 
     def abort(self) -> dict:
@@ -97,12 +98,11 @@ class PreparedUpdate:
         return {"success": True, "message": message, "weight_version": self.weights.version}
 
 
-class _OnRanks(list):
-    """A prepared update that each tensor-parallel rank holds (its shards), not this list."""
+@dataclass(frozen=True)
+class _OnRanks:
+    """A prepared update that each tensor-parallel rank holds (its shards), not this process."""
 
-    def __init__(self, names: Sequence[str]):
-        super().__init__()
-        self.names = list(names)
+    names: list[str]
 
 
 def _dtype_or_none(name: str) -> torch.dtype | None:

@@ -148,10 +148,9 @@ class WeightManager:
             last = rank_offset + self.runner.tp_size - 1
             return {"success": True,
                     "message": f"joined {group_name!r} as ranks {rank_offset}..{last}"}
-        else:
-            self._groups[group_name] = ws_group.init_process_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend,
-                timeout_s=timeout_s, device=self.runner.device)
+        self._groups[group_name] = ws_group.init_process_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend,
+            timeout_s=timeout_s, device=self.runner.device)
         return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
 
     def group(self, group_name: str) -> ws_group.WeightGroup:
