@@ -152,11 +152,6 @@ class TPModelRunner(_TPRank, WeightSyncDriver):
     def _exclusive(self) -> threading.RLock:
         return self._lock
 
-    @property
-    def weight_sync_ranks(self) -> int:
-        """Ranks this engine takes in a trainer's weight-update group: one per TP rank."""
-        return self.tp_size
-
     def check_alive(self) -> None:
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
