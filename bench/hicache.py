@@ -7,6 +7,8 @@ engines in one process slow each other's threads), alternating within every repe
 - device: the prefix cache on a device pool sized for one prompt (no lower tier);
 - host: the same pool plus a host tier that holds all eight (`enable_hierarchical_cache`);
 - host+storage: as host, also writing evicted prefixes to a `hicache_storage_dir`;
+- write-through: as host+storage with `hicache_write_policy="write_through"` (every finished
+  request's prefix is written down at once, not at eviction), into a folder of its own;
 - storage: a fresh process (empty host tier) on that folder: its single pass reads the
   prefixes the host+storage process wrote.
 Printed per configuration: prefill tokens computed (prompt - cached, over all requests), where
@@ -53,8 +55,10 @@ def child(args: argparse.Namespace) -> None:
     if args.config != "device":
         options.update(enable_hierarchical_cache=True,
                        hicache_host_tokens=8 * (longest + args.new_tokens + 8))
-    if args.config in ("host+storage", "storage"):
+    if args.config in ("host+storage", "write-through", "storage"):
         options["hicache_storage_dir"] = args.storage_dir
+    if args.config == "write-through":
+        options["hicache_write_policy"] = "write_through"
     with Engine(args.model, **options) as engine:
         ps = prompts(engine.tokenizer, args.prefix_tokens)
         params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
@@ -89,7 +93,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--child", default=None, choices=["device", "host", "host+storage", "storage"])
+    p.add_argument("--child", default=None,
+                   choices=["device", "host", "host+storage", "write-through", "storage"])
     p.add_argument("--storage-dir", default=None)
     p.add_argument("--prompt-len", type=int, default=0)
     args = p.parse_args()
@@ -102,22 +107,24 @@ def main() -> None:
         return
     with Engine(args.model, max_total_tokens=64) as probe:  # only for the tokenizer
         args.prompt_len = max(map(len, prompts(probe.tokenizer, args.prefix_tokens)))
-    rows: dict[str, list[dict]] = {"device": [], "host": [], "host+storage": [], "storage": []}
+    rows: dict[str, list[dict]] = {"device": [], "host": [], "host+storage": [],
+                                   "write-through": [], "storage": []}
     for r in range(args.repeats):
-        with tempfile.TemporaryDirectory() as store:
-            order = ["device", "host", "host+storage"]
+        with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as own:
+            order = ["device", "host", "host+storage", "write-through"]
             for config in order if r % 2 == 0 else order[::-1]:
-                rows[config].append(run_child(args, config, args.passes, store))
+                folder = own if config == "write-through" else store
+                rows[config].append(run_child(args, config, args.passes, folder))
             rows["storage"].append(run_child(args, "storage", 1, store))
     print(f"8 prompts of {args.prompt_len} tokens max x {args.new_tokens} new tokens, one at a "
           f"time; device pool {args.prompt_len + args.new_tokens + 64} tokens; "
           f"median of {args.repeats}")
-    print(f"{'config':12} {'passes':>6} {'prefill computed':>17} {'of prompt':>10} "
+    print(f"{'config':13} {'passes':>6} {'prefill computed':>17} {'of prompt':>10} "
           f"{'device':>7} {'host':>7} {'storage':>8} {'wall s':>7} {'tok/s':>7}")
     for config, results in rows.items():
         med = {k: statistics.median(x[k] for x in results) for k in results[0] if k != "config"}
         passes = 1 if config == "storage" else args.passes
-        print(f"{config:12} {passes:>6} {med['prefill_computed']:>17.0f} "
+        print(f"{config:13} {passes:>6} {med['prefill_computed']:>17.0f} "
               f"{med['prompt_tokens']:>10.0f} {med['device']:>7.0f} {med['host']:>7.0f} "
               f"{med['storage']:>8.0f} {med['wall_s']:>7.2f} {med['tok_s']:>7.1f}")
 

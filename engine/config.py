@@ -131,10 +131,13 @@ class EngineConfig:
     # HiCache (engine/kvcache/hiradix_cache.py): evicted prefix pages go to a host tier of
     # hicache_host_tokens slots (None: hicache_ratio x the device pool) and, with a
     # hicache_storage_dir, to files that engine processes on one machine share.
+    # hicache_write_policy "write_through" also writes a request's prefix down when the request
+    # leaves the batch, so other processes find it before the device evicts it.
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_host_tokens: int | None = None
     hicache_storage_dir: str | None = None
+    hicache_write_policy: str = "write_back"
     grammar_backend: str = "xgrammar"  # "xgrammar" | "none" (grammar requests refused)
     # bf16/fp16 models: final norm, lm_head and log-softmax in float32 (logprobs fit for RL; a
     # float32 copy of the lm_head weight). False: the lm_head runs in the model's dtype.
@@ -173,7 +176,12 @@ class EngineConfig:
             for name in ("hicache_host_tokens", "hicache_storage_dir"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} needs enable_hierarchical_cache=True")
+            if self.hicache_write_policy != "write_back":
+                raise ValueError("hicache_write_policy needs enable_hierarchical_cache=True")
             return
+        if self.hicache_write_policy not in ("write_back", "write_through"):
+            raise ValueError("hicache_write_policy must be 'write_back' or 'write_through', got "
+                             f"{self.hicache_write_policy!r}")
         if not self.enable_prefix_cache or self.deterministic:
             raise ValueError("enable_hierarchical_cache needs the prefix cache "
                              "(enable_prefix_cache=True, deterministic=False)")

@@ -134,6 +134,33 @@ def test_two_processes_share_a_storage_hit(tiny_chat_model_path, tmp_path):
     assert not glob.glob(f"{store}/**/*.tmp", recursive=True)
 
 
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_write_through_reaches_storage_before_any_eviction(tiny_chat_model_path, tmp_path,
+                                                          policy):
+    """A device pool with room for everything never evicts: write-back leaves storage empty,
+    write-through writes the finished request's prefix, which a second engine on the same
+    weights then loads instead of computing."""
+    store = str(tmp_path / "kv")
+    prompt = long_prompts(1, seed=17)[0]
+    with Engine(tiny_chat_model_path, max_total_tokens=4096, enable_hierarchical_cache=True,
+                hicache_storage_dir=store, hicache_write_policy=policy) as eng:
+        want = run(eng, [prompt])
+        stats = dict(eng.scheduler.tree.stats)
+        assert eng.scheduler.tree.evictable_size() >= PATH_TOKENS  # still on the device
+        eng.check_integrity()
+    with Engine(tiny_chat_model_path, max_total_tokens=4096, enable_hierarchical_cache=True,
+                hicache_storage_dir=store) as reader:
+        got = run(reader, [prompt])
+    if policy == "write_back":
+        assert stats["storage_write_tokens"] == stats["host_backup_tokens"] == 0
+        assert details(got[0]) == {"device": 0, "host": 0, "storage": 0}
+    else:
+        assert stats["host_backup_tokens"] == PATH_TOKENS
+        assert stats["storage_write_tokens"] == 128  # two whole 64-token blocks
+        assert details(got[0]) == {"device": 0, "host": 0, "storage": 128}
+    assert_same_outputs(got, want)
+
+
 def _perturbed(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -217,6 +244,11 @@ def test_hicache_options_are_validated(tiny_chat_model_path, tmp_path):
         Engine(tiny_chat_model_path, enable_hierarchical_cache=True, enable_prefix_cache=False)
     with pytest.raises(ValueError, match="hicache_host_tokens"):
         Engine(tiny_chat_model_path, enable_hierarchical_cache=True, hicache_host_tokens=0)
+    with pytest.raises(ValueError, match="hicache_write_policy needs"):
+        Engine(tiny_chat_model_path, hicache_write_policy="write_through")
+    with pytest.raises(ValueError, match="'write_back' or 'write_through'"):
+        Engine(tiny_chat_model_path, enable_hierarchical_cache=True,
+               hicache_write_policy="write_around")
 
 
 def test_server_flags_reach_the_engine():
@@ -224,8 +256,10 @@ def test_server_flags_reach_the_engine():
 
     args = build_parser().parse_args(["--model-path", "m", "--enable-hierarchical-cache",
                                       "--hicache-host-tokens", "4096",
-                                      "--hicache-storage-dir", "/tmp/kv"])
+                                      "--hicache-storage-dir", "/tmp/kv",
+                                      "--hicache-write-policy", "write_through"])
     kwargs = engine_kwargs(args)
+    assert kwargs["hicache_write_policy"] == "write_through"
     assert kwargs["enable_hierarchical_cache"] is True
     assert (kwargs["hicache_host_tokens"], kwargs["hicache_storage_dir"]) == (4096, "/tmp/kv")
     assert engine_kwargs(build_parser().parse_args(["--model-path", "m"]))[

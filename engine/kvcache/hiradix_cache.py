@@ -3,7 +3,9 @@
 It decides where a prefix's KV lives:
 - Device eviction writes back. A device leaf chosen by LRU eviction is copied into the host
   pool (only the part the host does not already hold) before its slots are freed, and its
-  whole blocks are written to storage when a storage tier is configured.
+  whole blocks are written to storage when a storage tier is configured. With the
+  write-through policy the same copy also happens when a request leaves the batch (finished,
+  aborted or retracted), for the prefix it held, so storage has it before any eviction.
 - Admission loads back. After the device match is locked, `fetch_lower_tiers` copies the host
   tier's longer match into fresh device slots, then whole storage blocks past that, inserts
   them into the device tree and moves the request's lock onto the longer match.
@@ -38,7 +40,8 @@ from hotswap.engine.kvcache.storage import KVStorage, weights_fingerprint
 class HiRadixCache(RadixCache):
     def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int, host: HostKVPool,
                  storage: KVStorage | None = None,
-                 weights_identity: Callable[[str], str | None] | None = None):
+                 weights_identity: Callable[[str], str | None] | None = None,
+                 write_through: bool = False):
         """`weights_identity(weight_version)` names the weights serving that version (None when
         that version is not the one loaded): part of every storage key."""
         if storage is not None and storage.block_tokens % page_size:
@@ -47,6 +50,7 @@ class HiRadixCache(RadixCache):
         self.host = host
         self.host_tree = RadixCache(host.allocator, page_size)
         self.storage = storage
+        self._write_through = write_through
         self._weights_identity = weights_identity or (lambda version: None)
         self._storage_keys: dict[Namespace, str] = {}
         self.stats = {"host_backup_tokens": 0, "host_load_tokens": 0,
@@ -63,9 +67,17 @@ class HiRadixCache(RadixCache):
         device = super().cached_len(ns, tokens)
         return max(device, self.host_tree.cached_len(ns, tokens))
 
-    # device eviction: write back
+    # device eviction: write back (and write through when a request leaves, by policy)
 
     def _on_evict(self, node: TreeNode) -> None:
+        self._write_down(node)
+
+    def write_through(self, node: TreeNode) -> None:
+        if self._write_through and node.parent is not None and node.ns not in self._retired:
+            self._write_down(node)
+
+    def _write_down(self, node: TreeNode) -> None:
+        """Host (and storage) tiers take the prefix from the root to the end of `node`."""
         tokens, slots = self._path(node)
         host_slots = self._backup(node.ns, tokens, slots)
         if host_slots is not None:
@@ -254,4 +266,5 @@ def make_radix_cache(config: EngineConfig, allocator: TokenToKVPoolAllocator, kv
     def identity(version: str) -> str | None:
         return weights_fingerprint(weights()) if version == current_version() else None
 
-    return HiRadixCache(allocator, page_size, host, storage, identity)
+    return HiRadixCache(allocator, page_size, host, storage, identity,
+                        write_through=config.hicache_write_policy == "write_through")

@@ -142,6 +142,10 @@ class RadixCache:
         """Extend a locked device match from lower tiers; there are none here."""
         return TierLoad(match)
 
+    def write_through(self, node: TreeNode) -> None:
+        """A request holding `node` leaves the batch: write its prefix to lower tiers where the
+        policy says so; there are none here."""
+
     def insert(self, ns: Namespace, tokens: list[int], slots: torch.Tensor) -> int:
         """Store the page-aligned prefix; returns how many leading tokens the tree did not take.
 

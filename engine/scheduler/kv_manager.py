@@ -158,6 +158,7 @@ class KVManager:
             return
         if cache:
             self.cache_unfinished(req)
+            self.tree.write_through(req.last_node)  # still locked by req
         self.allocator.free(req.kv_slots[req.tree_prefix_len:])
         self.tree.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)

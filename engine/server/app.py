@@ -270,6 +270,10 @@ def add_hicache_args(p: argparse.ArgumentParser) -> None:
                    help="host tier size in tokens (overrides --hicache-ratio)")
     h.add_argument("--hicache-storage-dir", default=None,
                    help="folder of prefix KV files shared by engine processes on this machine")
+    h.add_argument("--hicache-write-policy", default="write_back",
+                   choices=["write_back", "write_through"],
+                   help="write_through: also write a request's prefix down when it leaves the "
+                        "batch, not only when the device evicts it")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,7 +293,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 check_weights_finite=not args.no_check_weights_finite,
                 enable_hierarchical_cache=args.enable_hierarchical_cache,
                 hicache_ratio=args.hicache_ratio, hicache_host_tokens=args.hicache_host_tokens,
-                hicache_storage_dir=args.hicache_storage_dir)
+                hicache_storage_dir=args.hicache_storage_dir,
+                hicache_write_policy=args.hicache_write_policy)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:
