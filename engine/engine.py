@@ -293,8 +293,9 @@ class Engine:
         return self.scheduler.flush_cache(timeout_s)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        """Free "weights" and/or "kv_cache" memory (None: both) while nothing is queued or
-        running, e.g. while a colocated trainer trains. Released weights lose their values:
+        """Free "weights" (with the LoRA pool's buffers) and/or "kv_cache" memory (None: both)
+        while nothing is queued or running, e.g. while a colocated trainer trains. Released
+        weights lose their values (adapters keep theirs on the host):
         after resume_memory_occupation, generation is refused until an update rewrites every
         tensor. Requests sent while the KV cache is released wait for its resume."""
         tags = _memory_tags(tags)
@@ -309,6 +310,7 @@ class Engine:
         out = self.scheduler.release_memory(tags)
         if out["success"] and "weights" in tags:
             self.weights.release_weights()
+            self.loras.pool.release()
         return out
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
@@ -318,6 +320,7 @@ class Engine:
     def _resume_memory(self, tags: list[str]) -> dict:
         if "weights" in tags:
             self.weights.resume_weights()
+            self.loras.pool.resume()
         return self.scheduler.resume_memory(tags)
 
     def get_weight_version(self) -> str:

@@ -326,6 +326,31 @@ def test_smollm2_adapter_equals_hf_peft(real_model_path, tmp_path):
         assert max(abs(a - b) for a, b in zip(engine_lps(out), ref_lps)) < 1e-3
 
 
+def test_release_memory_frees_the_adapter_pool_and_resume_refills_it(base_path, tmp_path):
+    """release_memory_occupation(["weights"]) frees the LoRA pool's buffers with the weights;
+    after resume and a weight push the adapter serves exactly what it served before."""
+    path = save_peft(make_peft(base_path, seed=5), str(tmp_path / "adapter"))
+    with make_engine(base_path) as engine:
+        engine.load_lora_adapter("a", path)
+        before = engine.generate(input_ids=PROMPTS, sampling_params=greedy(), lora_name="a",
+                                 return_logprob=True)
+        pool = engine.loras.pool
+        held = pool.nbytes
+        assert held > 0
+        assert engine.release_memory_occupation(["weights"])["success"]
+        assert pool.nbytes == 0
+        assert engine.resume_memory_occupation(["weights"])["success"]
+        assert pool.nbytes == held
+        assert engine.update_weights_from_disk(base_path)["success"]
+        uploads = pool.uploads
+        after = engine.generate(input_ids=PROMPTS, sampling_params=greedy(), lora_name="a",
+                                return_logprob=True)
+        assert pool.uploads == uploads + 1  # refilled from the host copy
+    for got, want in zip(after, before):
+        assert got["output_ids"] == want["output_ids"]
+        assert engine_lps(got) == pytest.approx(engine_lps(want), abs=1e-6)
+
+
 def _trainer_logprobs(pm, outs: list[dict], prompts: list[list[int]]) -> list[list[float]]:
     """The trainer's own logprob of every token the engine sampled (teacher-forced)."""
     result = []

@@ -10,6 +10,8 @@ over slots so one batched matmul serves every adapter of a step:
 
 The rank dimension is the largest rank loaded so far (at most max_lora_rank): smaller adapters
 are zero-padded, and the buffers grow (emptying the pool) when a larger adapter arrives.
+`release()` frees the buffers with the model's weights (release_memory_occupation) and
+`resume()` reallocates them empty; the host copies refill them as steps use the adapters.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LoRAPool:
         self.device = device
         self.dtype = dtype
         self.rank = 0
+        self.released = False  # buffers freed; reserve() only records the rank until resume()
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
@@ -49,15 +52,33 @@ class LoRAPool:
         """Make the buffers hold rank `rank`; growing them empties every slot."""
         if rank <= self.rank:
             return
+        self.rank = rank
+        self._slot_of.clear()
+        self._version.clear()
+        if not self.released:
+            self._allocate()
+
+    def _allocate(self) -> None:
+        rank = self.rank
         shapes, layers, n = target_shapes(self.model), self.model.num_layers, self.num_slots
         self.a = {kind: torch.zeros(n, layers, len(targets) * rank, shapes[targets[0]][0],
                                     dtype=self.dtype, device=self.device)
                   for kind, targets in KINDS.items()}
         self.b = {t: torch.zeros(n, layers, shapes[t][1], rank, dtype=self.dtype,
                                  device=self.device) for t in shapes}
-        self.rank = rank
+
+    def release(self) -> None:
+        """Free the buffers; every slot is forgotten (the adapters keep their host copies)."""
+        self.released = True
+        self.a, self.b = {}, {}
         self._slot_of.clear()
         self._version.clear()
+
+    def resume(self) -> None:
+        if self.released:
+            self.released = False
+            if self.rank:
+                self._allocate()
 
     def evict(self, name: str) -> None:
         """Forget `name`'s slot (its adapter was replaced or unloaded)."""
