@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from hotswap.weight_sync.group import free_port
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain photosynthesis in one sentence.", "List three prime numbers."]
@@ -50,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
             assert engine.update_weights_from_tensor(tensors)["success"]
             updates.append(time.perf_counter() - start)
         # 1 trainer + one rank per TP rank of the engine.
-        sender = WeightSender("127.0.0.1", _free_port(), 1 + engine.weight_sync_ranks,
+        sender = WeightSender("127.0.0.1", free_port(), 1 + engine.weight_sync_ranks,
                               backend="gloo", timeout_s=600)
         sends = []
         try:
@@ -63,12 +64,6 @@ def child(args: argparse.Namespace) -> None:
     tokens = sum(len(o["output_ids"]) for o in outs)
     print(json.dumps({"tp": args.child, "tok_s": tokens / gen_s, "update_s": min(updates),
                       "dist_update_s": min(sends), "start_s": start_s}), flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

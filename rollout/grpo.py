@@ -19,7 +19,6 @@ import math
 import os
 import random
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from hotswap.rollout.collect import collect
 from hotswap.rollout.rewards import exact_match
 from hotswap.rollout.tracking import Tracker, batch_metrics
 from hotswap.rollout.trajectory import RolloutBatch
+from hotswap.weight_sync.group import free_port
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,12 +97,6 @@ class EngineHandle:
     close: Callable[[], None]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
     from hotswap.engine import Engine
 
@@ -121,14 +115,14 @@ def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int) -> En
     from hotswap.engine import RemoteEngine
     from hotswap.weight_sync import WeightSender
 
-    port, admin = _free_port(), secrets.token_hex(8)
+    port, admin = free_port(), secrets.token_hex(8)
     proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", path,
                              "--port", str(port), "--admin-key", admin, "--dtype", dtype,
                              "--seed", str(seed), "--max-total-tokens", str(kv_tokens),
                              "--log-level", "warning"])
     remote = RemoteEngine(f"http://127.0.0.1:{port}", admin_key=admin)
     _wait_healthy(remote, proc)
-    sender = WeightSender("127.0.0.1", _free_port(), world_size=2, backend="gloo",
+    sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
                           bucket_bytes=32 << 20)
 
     def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:

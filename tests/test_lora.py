@@ -366,9 +366,8 @@ def _trainer_logprobs(pm, outs: list[dict], prompts: list[list[int]]) -> list[li
 def test_lora_rl_loop_engine_follows_trainer(base_path, capsys):
     """PEFT trains only the adapter and pushes it (PEFT names) over a gloo group every step;
     the engine's sampled-token logprobs equal the trainer's adapter each step."""
-    from torchrun_sender import free_port
-
     from hotswap.weight_sync import WeightSender
+    from hotswap.weight_sync.group import free_port
 
     torch.manual_seed(0)
     pm = make_peft(base_path, seed=7, r=4)

@@ -3,8 +3,6 @@ several engines that commits on all of them or on none."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from fixtures import write_tiny_chat_model
@@ -12,15 +10,10 @@ from safetensors.torch import load_file
 
 from hotswap.engine import Engine
 from hotswap.weight_sync import WeightSender, WeightSyncError
+from hotswap.weight_sync.group import free_port
 
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +57,7 @@ def test_sender_commits_on_all_engines_or_none(paths):
         one.update_weights_from_disk(paths["a"])  # one is at "1", two at "0"
         before = odd.get_weights_by_name("model.layers.0.mlp.down_proj.weight")
 
-        sender = WeightSender("127.0.0.1", _free_port(), world_size=3, backend="gloo",
+        sender = WeightSender("127.0.0.1", free_port(), world_size=3, backend="gloo",
                               timeout_s=30)
         try:
             with pytest.raises(WeightSyncError, match="no target committed") as info:
@@ -78,7 +71,7 @@ def test_sender_commits_on_all_engines_or_none(paths):
         finally:
             sender.close([one, odd])
 
-        sender = WeightSender("127.0.0.1", _free_port(), world_size=3, backend="gloo",
+        sender = WeightSender("127.0.0.1", free_port(), world_size=3, backend="gloo",
                               timeout_s=30)
         try:
             replies = sender.send(new, [one, two])  # no version given: they agree on "2"

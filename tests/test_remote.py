@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
 from hotswap.weight_sync import WeightSender
-from hotswap.weight_sync.group import WeightSyncError
+from hotswap.weight_sync.group import WeightSyncError, free_port
 
 API_KEY = "remote-api"
 ADMIN_KEY = "remote-admin"
@@ -37,12 +36,6 @@ def server(engine):
 def remote(server):
     with RemoteEngine(server.url, api_key=API_KEY, admin_key=ADMIN_KEY) as r:
         yield r
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_generate_batch_matches_engine(engine, remote):
@@ -119,7 +112,7 @@ def test_control_methods(engine, remote):
 
 def test_weight_sender_targets_a_remote_engine(engine, remote, tmp_path):
     new = load_file(f"{write_tiny_chat_model(str(tmp_path / 'new'), seed=5)}/model.safetensors")
-    sender = WeightSender("127.0.0.1", _free_port(), world_size=2, backend="gloo", timeout_s=60)
+    sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60)
     try:
         replies = sender.send(new, [remote], weight_version="remote-1")
         assert replies == [{"success": True, "message": "updated to version 'remote-1'",

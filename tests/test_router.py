@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from hotswap.engine import Engine, RemoteEngine, Router
 from hotswap.engine.server.affinity import PrefixAffinity
 from hotswap.weight_sync import WeightSender
+from hotswap.weight_sync.group import free_port
 
 ADMIN = "router-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -28,14 +28,8 @@ PREFIX_2 = " ".join(CORPUS[3:])
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(args: list[str], cwd: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HOTSWAP_API_KEY": "", "HOTSWAP_ADMIN_KEY": ""}
     proc = subprocess.Popen([sys.executable, "-m", *args, "--port", str(port), "--admin-key",
                              ADMIN, "--log-level", "warning"], cwd=cwd, env=env,
@@ -146,7 +140,7 @@ def test_update_refused_by_one_server_leaves_both_on_the_old_version(cluster):
 def test_weight_sender_through_a_router_updates_every_server(cluster):
     tensors = load_file(f"{cluster['a']}/model.safetensors")
     with Router(cluster["urls"], admin_key=ADMIN) as router:
-        sender = WeightSender("127.0.0.1", _free_port(), world_size=3, backend="gloo",
+        sender = WeightSender("127.0.0.1", free_port(), world_size=3, backend="gloo",
                               timeout_s=60)
         try:
             reply = sender.send(tensors, [router], weight_version="back-to-a")[0]

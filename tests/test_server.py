@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
 from hotswap.engine.server.app import build_parser, create_app
+from hotswap.weight_sync.group import free_port
 
 API_KEY = "test-api-key"
 ADMIN_KEY = "test-admin-key"
@@ -573,14 +574,6 @@ async def _openai_client(url: str, i: int, stop: asyncio.Event, finals: list,
     await client.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _load_during_updates(url: str, ckpt: str) -> tuple[dict, list, list, float]:
     stop = asyncio.Event()
     finals: list = []
@@ -593,7 +586,7 @@ async def _load_during_updates(url: str, ckpt: str) -> tuple[dict, list, list, f
                 for i in range(16)]
     trainer = subprocess.Popen(
         [sys.executable, "-c", "import fixtures; fixtures.trainer_main()", url, ADMIN_KEY,
-         str(_free_port()), ckpt], cwd=TESTS_DIR, stdout=subprocess.PIPE,
+         str(free_port()), ckpt], cwd=TESTS_DIR, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
         out, err = await asyncio.to_thread(trainer.communicate, timeout=120)
@@ -653,7 +646,7 @@ def test_cli_defaults_to_localhost():
 
 
 def test_cli_serves_and_logs_open_access(model_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HOTSWAP_API_KEY": "", "HOTSWAP_ADMIN_KEY": ""}
     proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path",
                              model_path, "--port", str(port), "--device", "cpu",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from hotswap.engine.server.router_app import create_router_app
 from hotswap.trainers_adapters import sglang
 from hotswap.trainers_adapters.groups import destroy_process_group, init_custom_process_group
 from hotswap.weight_sync import WeightSender, WeightSyncError
+from hotswap.weight_sync.group import free_port
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 20, 21]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
@@ -162,7 +162,7 @@ def test_tp2_equals_tp1_and_updates_equal_a_fresh_engine(models):
         _assert_same(_run(two), want_b)
 
         tensors = load_file(f"{models['a']}/model.safetensors")
-        port = _free_port()
+        port = free_port()
         # 1 trainer + 2 TP ranks: each rank joins the trainer's group itself.
         sender = WeightSender("127.0.0.1", port, world_size=3, backend="gloo", timeout_s=60)
         try:
@@ -239,7 +239,7 @@ def test_distributed_updates_under_tp2_land_on_every_rank_or_on_none(models):
     tensors_b = load_file(f"{models['b']}/model.safetensors")
     with _engine(models["a"], tp_size=2) as two:
         assert two.weight_sync_ranks == 2
-        sender = WeightSender("127.0.0.1", _free_port(), world_size=3, group_name="direct",
+        sender = WeightSender("127.0.0.1", free_port(), world_size=3, group_name="direct",
                               backend="gloo", timeout_s=60)
         try:
             assert sender.send(tensors_b, [two], weight_version="b")[0]["success"]
@@ -263,7 +263,7 @@ def test_distributed_updates_under_tp2_land_on_every_rank_or_on_none(models):
 
         # Two targets update in two phases (prepare on every rank of each, then commit).
         with _engine(models["b"]) as one:
-            sender = WeightSender("127.0.0.1", _free_port(), world_size=4,
+            sender = WeightSender("127.0.0.1", free_port(), world_size=4,
                                   group_name="two-phase", backend="gloo", timeout_s=60)
             try:
                 with pytest.raises(WeightSyncError, match="no target committed"):
@@ -286,7 +286,7 @@ def test_sglang_style_trainer_with_rank_offset_per_tp_rank_updates_a_tp2_engine(
         want_b = _run(fresh_b)
     weights = load_file(f"{models['b']}/model.safetensors")
     names = list(weights)
-    port, name = _free_port(), "sglang-tp"
+    port, name = free_port(), "sglang-tp"
     with _engine(models["a"], tp_size=2) as two, ThreadPoolExecutor(1) as pool:
         adapter = sglang.Engine(engine=two)
         joined = pool.submit(adapter.init_weights_update_group, "127.0.0.1", port, 1, 3, name,
@@ -335,14 +335,8 @@ def test_killed_worker_fails_every_request_clearly_and_shutdown_leaves_no_proces
     assert not worker.is_alive()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(model: str, tp_size: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HOTSWAP_API_KEY": "", "HOTSWAP_ADMIN_KEY": ""}
     proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", model,
                              "--port", str(port), "--device", "cpu", "--max-total-tokens", "2048",
@@ -370,7 +364,7 @@ def test_http_server_with_tp_size_behind_a_router_counts_every_rank(models):
         with ServerThread(create_router_app(Router([url for _, url in servers]))) as app:
             routed = RemoteEngine(app.url)
             assert routed.weight_sync_ranks == 3
-            sender = WeightSender("127.0.0.1", _free_port(), world_size=4, group_name="http-tp",
+            sender = WeightSender("127.0.0.1", free_port(), world_size=4, group_name="http-tp",
                                   backend="gloo", timeout_s=60)
             try:
                 tensors = load_file(f"{models['b']}/model.safetensors")

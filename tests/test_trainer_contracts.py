@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,18 +34,13 @@ from hotswap.trainers_adapters.groups import (
     init_custom_process_group,
     stateless_init_process_group,
 )
+from hotswap.weight_sync.group import free_port
 from hotswap.weight_sync.serialize import serialize_named_tensors
 
 pytestmark = pytest.mark.slow
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PROMPT_IDS = [5, 9, 33, 40, 7, 12]
 NEW_TOKENS = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

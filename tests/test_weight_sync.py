@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 
@@ -35,15 +34,10 @@ from hotswap.weight_sync import (
     unflatten,
 )
 from hotswap.weight_sync.bucket import TensorSpec, buckets_from_counts
+from hotswap.weight_sync.group import free_port
 
 TIMEOUT_S = 10.0
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_params(seed: int = 0) -> dict[str, torch.Tensor]:

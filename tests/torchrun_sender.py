@@ -17,7 +17,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -26,15 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hotswap.weight_sync import WeightSender, init_process_group
+from hotswap.weight_sync.group import free_port
 
 Tensors = dict[str, torch.Tensor]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def perturbed(model_path: str, seed: int, scale: float = 0.1, dtype: str = "float32"

@@ -6,6 +6,7 @@ torchrun job's default group and with each other. Rank 0 (the trainer) hosts the
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -216,3 +217,10 @@ def _find(group_name: str, rank: int | None) -> list[WeightGroup]:
         raise KeyError(f"this process holds ranks {[g.rank for g in found]} of {group_name!r}; "
                        "pass rank")
     return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a group's master or a test server)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

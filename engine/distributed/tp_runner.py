@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -43,6 +42,7 @@ from hotswap.engine.errors import WorkerDiedError
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.models import build_model
 from hotswap.engine.models.loader import check_weights, iter_checkpoint, read_checkpoint_meta
+from hotswap.weight_sync.group import free_port
 
 _STOP_TIMEOUT_S = 10.0
 
@@ -122,7 +122,7 @@ class TPModelRunner(_TPRank, WeightSyncDriver):
         self._init_tp(config, model_config, 0)
         # Workers size their KV pools like this one: the slot numbering is shared.
         worker_config = replace(config, max_total_tokens=self.allocator.size)
-        port = _free_port()
+        port = free_port()
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=worker_main, name=f"hotswap-tp{rank}", daemon=True,
                                     args=(worker_config, model_config, rank, port))
@@ -343,9 +343,3 @@ class _Shape:
 
 def _backend(config: EngineConfig) -> str:
     return "nccl" if config.device == "cuda" else "gloo"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
