@@ -24,7 +24,7 @@ MATMUL = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear"
           "aten::matmul", "mkldnn::_linear_pointwise.binary"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
-             "aten::scaled_dot_product_attention"}
+             "aten::scaled_dot_product_attention", "hotswap::decode_attention"}
 KIND_OF = {"aten::index_select": "kv gather", "aten::index_copy_": "kv store",
            "aten::index_copy": "kv store"}
 SCOPES = ("hs::step", "hs::forward", "hs::lm_head", "hs::sample")

@@ -9,6 +9,7 @@ import transformers
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.linear import can_pack
 
 TOL = 1e-4
@@ -135,10 +136,15 @@ def test_decode_batch_of_different_lengths(tiny_llama_path):
         assert (ours - ref).abs().max().item() < TOL
 
 
-def test_decode_rows_sharing_cached_prefix_slots(tiny_llama_path, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["cascade", "fused-kernel"])
+def test_decode_rows_sharing_cached_prefix_slots(tiny_llama_path, monkeypatch, fused):
     """Rows whose table rows start with the same slots (as the radix cache hands them out):
-    the shared part is attended once for all rows and logits still equal HF's."""
+    the cascade attends the shared part once for all rows; the fused CPU kernel (which this
+    small a prefix takes) reads it per row. Logits equal HF's either way."""
+    if fused and not cpu_kernels.available():
+        pytest.skip("CPU kernels not built here (see the log)")
     runner = make_runner(tiny_llama_path)
+    monkeypatch.setattr(runner.attn_backend, "fused_decode", fused)
     prefix = random_ids(80, seed=5)
     owner = Seq(runner, prefix)
     run_step(runner, [(owner, 80)])
@@ -155,12 +161,14 @@ def test_decode_rows_sharing_cached_prefix_slots(tiny_llama_path, monkeypatch):
 
     def record(fb):
         build(fb)
-        rows = fb.attn_metadata.decode.shared_rows
-        shared.append(0 if rows is None else rows.numel() // runner.model_config.num_kv_heads)
+        decode = fb.attn_metadata.decode
+        rows = decode.shared_rows
+        shared.append("fused" if decode.fused is not None else
+                      0 if rows is None else rows.numel() // runner.model_config.num_kv_heads)
 
     monkeypatch.setattr(runner.attn_backend, "init_forward_metadata", record)
     outs = [run_step(runner, [(s, 1) for s in seqs]) for _ in range(3)]
-    assert shared == [80, 80, 80]
+    assert shared == (["fused"] * 3 if fused else [80, 80, 80])
     for i, seq in enumerate(seqs):
         ours = torch.cat([step[i] for step in outs])
         end = 80 + 3 + 3 * i + 3

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.kvcache.memory import KVPool
+
+
+class FusedDecodeInputs(NamedTuple):
+    """A decode-only step's attention inputs for layers/cpu_kernels.decode_layer."""
+
+    k_buffers: list[torch.Tensor]  # per layer [slots, Hkv, D]
+    v_buffers: list[torch.Tensor]
+    out_cache_loc: torch.Tensor  # [n] slot of each row's new token
+    req_to_token: torch.Tensor
+    req_idx: torch.Tensor  # [n] int64
+    seq_lens: torch.Tensor  # [n] int64, the new token included
+    scale: float
 
 
 class AttentionBackend(ABC):
@@ -31,6 +44,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Build the step's index tensors once; every layer reuses them."""
+
+    def fused_decode_inputs(self, fb: ForwardBatch) -> FusedDecodeInputs | None:
+        """What the fused CPU decoder layer needs to attend in this step, or None where it does
+        not apply (only the torch backend on CPU, for a decode-only step, provides it)."""
+        return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

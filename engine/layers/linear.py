@@ -43,12 +43,12 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and _onednn_bf16_fas
     torch.float32,)
 
 
-def _uses_onednn(t: torch.Tensor) -> bool:
+def uses_onednn(t: torch.Tensor) -> bool:
     return _ONEDNN and t.device.type == "cpu" and t.dtype in _ONEDNN_DTYPES
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (_uses_onednn(weight) and weight.dim() == 2
+    return (uses_onednn(weight) and weight.dim() == 2
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
@@ -69,7 +69,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # share its step. (MKL's float32 matrix-vector kernel streams the weights ~20% faster at 1-2
     # rows, and SiLU/product as oneDNN post-ops save a pass at 64 rows, but both give results
     # that differ in the last bits with the row count.)
-    if _uses_onednn(x) and x.dim() == 2:
+    if uses_onednn(x) and x.dim() == 2:
         w = weight if packed is None else packed
         if residual is not None and residual.dtype == x.dtype:
             return torch.ops.mkldnn._linear_pointwise.binary(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from hotswap.engine.layers import cpu_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -45,18 +47,32 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D/2] for a step's positions: built once, used by every layer."""
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The step's cos/sin, built once and used by every layer."""
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        return (self.cos[positions][:, None, :].to(dtype),
-                self.sin[positions][:, None, :].to(dtype))
+        cos, sin = self.cos[positions], self.sin[positions]
+        if positions.device.type == "cpu" and dtype in cpu_kernels.DTYPES and \
+                cpu_kernels.available():
+            return Rope(cos, sin, fused=True)
+        return Rope(cos[:, None, :].to(dtype), sin[:, None, :].to(dtype), fused=False)
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [T, H, D] (any heads: q and k together when adjacent) into a new tensor."""
-    cos, sin = cos_sin
+class Rope(NamedTuple):
+    """cos, sin of a step's positions: float32 [T, D/2] for the fused CPU kernel, else
+    [T, 1, D/2] in the model's dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
+
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate x [T, H, D] (any heads: q and k together when adjacent). The fused kernel rotates
+    x in place (in float32, rounding once) and returns it; torch ops return a new tensor."""
+    if rope.fused:
+        return cpu_kernels.rotary_(x, rope.cos, rope.sin)
+    cos, sin = rope.cos, rope.sin
     x1, x2 = x.chunk(2, dim=-1)
     out = torch.empty_like(x)
     o1, o2 = out.chunk(2, dim=-1)

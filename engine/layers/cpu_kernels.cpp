@@ -1,0 +1,395 @@
+// Fused CPU kernels for the decode step (float32 and bfloat16), registered as torch.ops.hotswap.*
+// Built on first use by cpu_kernels.py; every op has a torch-ops twin there that the tests
+// compare it with. All arithmetic is float32; bfloat16 is read by widening and written once,
+// rounded to nearest even. Each output row depends only on its own inputs, never on how many
+// rows share the call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return bits_to_float(uint32_t(x.x) << 16); }
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) { return x; }
+template <>
+inline at::BFloat16 narrow<at::BFloat16>(float x) {
+  uint32_t u = float_to_bits(x);
+  uint16_t out = (x != x) ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return at::BFloat16(out, at::BFloat16::from_bits());
+}
+
+// exp: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial, then the exponent
+// bits. Relative error ~2e-7 (a few ulp); inlined so the loops that call it vectorise, which
+// std::exp does not.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * bits_to_float(uint32_t(int32_t(n) + 127) << 23);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = widen(src[i]);
+}
+
+// Calls f(float{}) or f(at::BFloat16{}) by dtype (not AT_DISPATCH: a pragma cannot sit inside a
+// macro argument).
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* op, F f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else if (dtype == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", dtype);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+constexpr int64_t KEY_BLOCK = 32;
+
+// One (row, kv head) pair: the `group` query heads that share kv head h attend over the row's
+// `len` keys, whose pool slots are `slots[0:len]`. Keys and values are widened KEY_BLOCK rows at
+// a time into `rows` [KEY_BLOCK, D], then every head runs over the block with its accumulator
+// in registers (D is a compile-time constant for the common head sizes, so the loops unroll).
+// Scores go to `scores` [group, len].
+template <int64_t D, typename T>
+void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
+                int64_t h, int64_t hkv, int64_t group, int64_t d, float scale, T* out,
+                float* qf, float* rows, float* scores, float* acc) {
+  if constexpr (D > 0) d = D;
+  for (int64_t g = 0; g < group; ++g) {
+    load_row(q + g * d, qf + g * d, d);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
+  }
+  for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
+    const int64_t nb = std::min(KEY_BLOCK, len - j0);
+    for (int64_t j = 0; j < nb; ++j) load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < nb; ++j) scores[g * len + j0 + j] = dot(qf + g * d, rows + j * d, d);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = fast_exp(s[j] - m);
+      sum += s[j];
+    }
+    float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+  }
+  std::fill(acc, acc + group * d, 0.f);
+  for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
+    const int64_t nb = std::min(KEY_BLOCK, len - j0);
+    for (int64_t j = 0; j < nb; ++j) load_row(v_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+    for (int64_t g = 0; g < group; ++g) {
+      float a[D > 0 ? D : 1];
+      float* ag = D > 0 ? a : acc + g * d;
+      if constexpr (D > 0) std::copy(acc + g * d, acc + (g + 1) * d, a);
+      for (int64_t j = 0; j < nb; ++j) {
+        const float p = scores[g * len + j0 + j];
+        const float* v = rows + j * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ag[i] += p * v[i];
+      }
+      if constexpr (D > 0) std::copy(a, a + D, acc + g * d);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = narrow<T>(acc[g * d + i]);
+  }
+}
+
+// q [n, Hq * D] (any row stride), k_buf / v_buf [slots, Hkv, D], req_to_token [R, W] int64,
+// req_idx [n] and seq_lens [n] int64 -> out [n, Hq * D]: row i's query attends to its seq_lens[i]
+// tokens at slots req_to_token[req_idx[i], :seq_lens[i]] (its own new token included).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "q must be [n, heads * head_dim], rows dense");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.is_contiguous() &&
+                  v_buf.sizes() == k_buf.sizes(), "k_buf, v_buf must be [slots, kv heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == v_buf.scalar_type(),
+              "q and the KV pool must share a dtype");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.is_contiguous() &&
+                  req_idx.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  req_idx.is_contiguous() && seq_lens.is_contiguous(),
+              "req_to_token, req_idx, seq_lens must be contiguous int64");
+  const int64_t n = q.size(0), hkv = k_buf.size(1), d = k_buf.size(2);
+  TORCH_CHECK(q.size(1) % (hkv * d) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(req_idx.numel() == n && seq_lens.numel() == n, "one req_idx and seq_len per row");
+  const int64_t group = q.size(1) / (hkv * d), width = req_to_token.size(1);
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t* rows = req_idx.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width, "seq_len out of range");
+    max_len = std::max(max_len, lens[i]);
+  }
+  auto out = at::empty({n, q.size(1)}, q.options());
+  const float fscale = float(scale);
+  dispatch(q.scalar_type(), "decode_attention", [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_buf.data_ptr<scalar_t>();
+    const scalar_t* vp = v_buf.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t q_stride = q.stride(0);
+    at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(group * d), block(KEY_BLOCK * d), scores(group * max_len),
+          acc(group * d);
+      const auto one = d == 64 ? attend_one<64, scalar_t>
+                       : d == 128 ? attend_one<128, scalar_t> : attend_one<0, scalar_t>;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t i = t / hkv, h = t % hkv;
+        one(qp + i * q_stride + h * group * d, kp, vp, table + rows[i] * width, lens[i], h, hkv,
+            group, d, fscale, op + i * q.size(1) + h * group * d, qf.data(), block.data(),
+            scores.data(), acc.data());
+      }
+    });
+  });
+  return out;
+}
+
+// x [T, H, D] (any token stride; heads and dim dense) rotated in place, half-rotation layout:
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with cos/sin [T, D/2] float32.
+at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [tokens, heads, dim] with heads and dim dense");
+  const int64_t t = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t &&
+                  cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "cos, sin must be contiguous float32 [tokens, dim / 2]");
+  dispatch(x.scalar_type(), "rotary_", [&](auto zero) {
+    using scalar_t = decltype(zero);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* c = cp + i * half;
+        const float* s = sp + i * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* a = xp + i * stride + h * 2 * half;
+          scalar_t* b = a + half;
+#pragma omp simd
+          for (int64_t j = 0; j < half; ++j) {
+            const float x1 = widen(a[j]), x2 = widen(b[j]);
+            a[j] = narrow<scalar_t>(x1 * c[j] - x2 * s[j]);
+            b[j] = narrow<scalar_t>(x2 * c[j] + x1 * s[j]);
+          }
+        }
+      }
+    });
+  });
+  return x;
+}
+
+// x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x must be [tokens, 2 * intermediate], rows dense");
+  const int64_t t = x.size(0), inter = x.size(1) / 2;
+  auto out = at::empty({t, inter}, x.options());
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* g = xp + i * stride;
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + i * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; ++j) {
+          const float a = widen(g[j]);
+          o[j] = narrow<scalar_t>(a / (1.f + fast_exp(-a)) * widen(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// out [m, n] = x [m, k] (float32) @ w [n, k] (bfloat16).T in float32: the float32 lm_head of a
+// bf16 model at decode batch 1, reading the bf16 weights (half the bytes of their float32
+// copy; the products are the same, the weights being exactly representable). Every output is
+// one 16-lane float32 dot product; four weight rows share each load of x.
+void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_t m, int64_t k,
+                       int64_t n0, int64_t n1, int64_t n) {
+  constexpr int64_t R = 4;
+  int64_t r0 = n0;
+  for (; r0 + R <= n1; r0 += R) {
+    const at::BFloat16* w0 = w + r0 * k;
+    const at::BFloat16* w1 = w0 + k;
+    const at::BFloat16* w2 = w1 + k;
+    const at::BFloat16* w3 = w2 + k;
+    for (int64_t i = 0; i < m; ++i) {
+      const float* xv = x + i * k;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t j = 0; j < k; ++j) {
+        const float v = xv[j];
+        s0 += widen(w0[j]) * v;
+        s1 += widen(w1[j]) * v;
+        s2 += widen(w2[j]) * v;
+        s3 += widen(w3[j]) * v;
+      }
+      float* o = out + i * n + r0;
+      o[0] = s0, o[1] = s1, o[2] = s2, o[3] = s3;
+    }
+  }
+  for (; r0 < n1; ++r0) {
+    const at::BFloat16* w0 = w + r0 * k;
+    for (int64_t i = 0; i < m; ++i) {
+      const float* xv = x + i * k;
+      float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+      for (int64_t j = 0; j < k; ++j) s0 += widen(w0[j]) * xv[j];
+      out[i * n + r0] = s0;
+    }
+  }
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x [m, k] and weight [n, k] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous(), "x must be float32, weight contiguous bfloat16");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  auto xc = x.contiguous();
+  auto out = at::empty({m, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    small_linear_rows(xp, wp, op, m, k, n0, n1, n);
+  });
+  return out;
+}
+
+// x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it:
+// oneDNN's matmul (w packed or plain) with the residual add as its post-op where `onednn`,
+// else at::linear then the add.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                  const at::Tensor* residual, bool onednn) {
+  if (!onednn) {
+    auto out = at::linear(x, w, b);
+    return residual ? out.add_(*residual) : out;
+  }
+  if (residual) {
+    static auto binary = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const c10::optional<at::Tensor>&, c10::string_view)>();
+    return binary.call(x.contiguous(), residual->contiguous(), w, b, "add");
+  }
+  static auto plain = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                        c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                        c10::optional<c10::string_view>)>();
+  return plain.call(x.contiguous(), w, b, "none", c10::List<c10::optional<at::Scalar>>(),
+                    c10::string_view(""));
+}
+
+// One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
+// models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
+// + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
+// would multiply (the packed copy where there is one).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w,
+                        const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
+                        const at::Tensor& ln2, const at::Tensor& gate_up_w,
+                        const at::Tensor& down_w, double eps, bool onednn, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                        const at::Tensor& loc, const at::Tensor& req_to_token,
+                        const at::Tensor& req_idx, const at::Tensor& seq_lens, int64_t num_heads,
+                        double scale) {
+  const int64_t hkv = k_buf.size(1), d = k_buf.size(2);
+  const int64_t q_size = num_heads * d, kv_size = hkv * d;
+  const std::vector<int64_t> hidden{x.size(1)};
+  auto qkv = linear(at::rms_norm(x, hidden, ln1, eps), qkv_w, qkv_b, nullptr, onednn);
+  rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
+  k_buf.index_copy_(0, loc, qkv.slice(1, q_size, q_size + kv_size).reshape({-1, hkv, d}));
+  v_buf.index_copy_(0, loc, qkv.slice(1, q_size + kv_size).reshape({-1, hkv, d}));
+  auto o = decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
+                            seq_lens, scale);
+  auto h = linear(o, o_w, c10::nullopt, &x, onednn);
+  auto gate_up = linear(at::rms_norm(h, hidden, ln2, eps), gate_up_w, c10::nullopt, nullptr,
+                        onednn);
+  return linear(silu_and_mul(gate_up), down_w, c10::nullopt, &h, onednn);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hotswap, m) {
+  m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
+        "Tensor req_idx, Tensor seq_lens, float scale) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor ln2, "
+        "Tensor gate_up_w, Tensor down_w, float eps, bool onednn, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor req_to_token, Tensor req_idx, "
+        "Tensor seq_lens, int num_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("small_linear", &small_linear);
+  m.impl("decode_layer", &decode_layer);
+}
+
+// The packed weights are oneDNN tensors, which dispatch on their own key.
+TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -1,0 +1,103 @@
+"""Fused CPU kernels for the step's small ops (cpu_kernels.cpp): paged decode attention, in-place
+rotary, SiLU-and-multiply, in float32 and bfloat16.
+
+Without them a decode layer is ~25 torch ops whose dispatch and extra passes cost more than its
+matmuls at batch 1, and decode attention gathers every row's keys into a padded copy first. The
+kernels are compiled once per machine on first use (a C++ compiler and ninja; ~10 s) into
+torch's extension cache, under a name that carries the CPU's flags, since they are built for
+the CPU they run on. Where they cannot be built, or with HOTSWAP_CPU_KERNELS=0, the torch-ops
+path runs instead (the same math, more ops) and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = (torch.float32, torch.bfloat16)
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_loaded: bool | None = None  # None: not tried yet
+
+
+def _cpu_tag() -> str:
+    """A short digest of the CPU's model and flags: kernels built for one CPU never load on
+    another (-march=native)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        info = "".join(line for line in lines if line.startswith(("flags", "model name")))
+    except OSError:
+        info = os.uname().machine
+    return hashlib.sha1(info.encode()).hexdigest()[:10]
+
+
+def _build() -> bool:
+    if os.environ.get("HOTSWAP_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels off (HOTSWAP_CPU_KERNELS=0): torch ops instead")
+        return False
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        logger.warning("CPU kernels not built (no %s on PATH): torch ops instead, slower",
+                       " or ".join(missing))
+        return False
+    from torch.utils.cpp_extension import load
+
+    start = time.perf_counter()
+    try:
+        load(f"hotswap_cpu_kernels_{_cpu_tag()}", [str(_SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # a compiler error, a missing header: fall back, say why
+        logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
+        return False
+    logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
+    return True
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (built on the first call)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _build()
+    return _loaded
+
+
+def applies(t: torch.Tensor) -> bool:
+    """Whether the kernels take this tensor: on the CPU, float32 or bfloat16, once built."""
+    return t.device.type == "cpu" and t.dtype in DTYPES and available()
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     req_to_token: torch.Tensor, req_idx: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [n, Hq * D] (one new token per row) over each row's seq_lens[i] keys at
+    req_to_token[req_idx[i], :seq_lens[i]] of the pool k_buf / v_buf [slots, Hkv, D]."""
+    return torch.ops.hotswap.decode_attention(q, k_buf, v_buf, req_to_token, req_idx, seq_lens,
+                                              scale)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in place (half-rotation layout) by float32 cos, sin [T, D/2]."""
+    return torch.ops.hotswap.rotary_(x, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    return torch.ops.hotswap.silu_and_mul(x)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, k] float32 @ weight.T with weight [n, k] bfloat16, in float32 (a few rows m)."""
+    return torch.ops.hotswap.small_linear(x, weight)
+
+
+def decode_layer(x: torch.Tensor, *args) -> torch.Tensor:
+    """One decoder layer of a decode-only batch in one call (see decode_layer in the .cpp for
+    the arguments); models/llama.py's LlamaDecoderLayer.fused_args builds them."""
+    return torch.ops.hotswap.decode_layer(x, *args)
