@@ -139,8 +139,8 @@ def test_decode_batch_of_different_lengths(tiny_llama_path):
 @pytest.mark.parametrize("fused", [False, True], ids=["cascade", "fused-kernel"])
 def test_decode_rows_sharing_cached_prefix_slots(tiny_llama_path, monkeypatch, fused):
     """Rows whose table rows start with the same slots (as the radix cache hands them out):
-    the cascade attends the shared part once for all rows; the fused CPU kernel (which this
-    small a prefix takes) reads it per row. Logits equal HF's either way."""
+    the cascade attends the shared part once for all rows; the fused CPU kernel reads it per
+    row. Logits equal HF's either way."""
     if fused and not cpu_kernels.available():
         pytest.skip("CPU kernels not built here (see the log)")
     runner = make_runner(tiny_llama_path)

@@ -12,14 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.engine.config import ModelConfig
 from hotswap.engine.attention.base import FusedDecodeInputs
+from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.linear import Linear, linear, pack, uses_onednn
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
-
 
 # At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
 # the bytes of the float32 copy, the same products) in a matrix-vector kernel: measured 1.6 ms

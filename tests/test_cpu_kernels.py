@@ -1,0 +1,158 @@
+"""The fused CPU kernels (engine/layers/cpu_kernels.cpp) against torch-ops references, and a model
+stepped through them against the same model stepped op by op."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model_runner import Seq, run_step
+
+from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.layers import cpu_kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja here: the engine runs torch ops instead")
+    assert cpu_kernels.available(), "a compiler is here but the kernels did not build (see log)"
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """got (rounded once to dtype) against a float64 reference."""
+    rel = 1e-5 if dtype == torch.float32 else 2 ** -8
+    err = (got.double() - want).abs()
+    assert (err <= rel * want.abs() + rel).all(), float(err.max())
+
+
+def reference_attention(q, k_buf, v_buf, table, req_idx, seq_lens, scale):
+    n, hkv, d = q.shape[0], k_buf.shape[1], k_buf.shape[2]
+    out = []
+    for i in range(n):
+        slots = table[req_idx[i], : seq_lens[i]]
+        k = k_buf[slots].double().transpose(0, 1)  # [Hkv, L, D]
+        v = v_buf[slots].double().transpose(0, 1)
+        qi = q[i].double().view(hkv, -1, d)  # [Hkv, group, D]
+        p = torch.softmax(qi @ k.transpose(1, 2) * scale, -1)
+        out.append((p @ v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 7), (16, 1), (48, 2)])
+def test_decode_attention_matches_reference(dtype, head_dim, group):
+    g = torch.Generator().manual_seed(head_dim + group)
+    hkv, slots, width = 2, 4000, 700
+    k_buf = torch.randn(slots, hkv, head_dim, generator=g).to(dtype)
+    v_buf = torch.randn(slots, hkv, head_dim, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1 for _ in range(6)])
+    req_idx = torch.tensor([4, 0, 2, 5, 1])
+    seq_lens = torch.tensor([1, 31, 33, 700, 129])  # one key, block edges, the full row
+    q = torch.randn(5, hkv * group * head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    got = cpu_kernels.decode_attention(q, k_buf, v_buf, table, req_idx, seq_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    close(got, reference_attention(q, k_buf, v_buf, table, req_idx, seq_lens, scale), dtype)
+
+
+def test_decode_attention_rows_do_not_depend_on_batch_mates():
+    g = torch.Generator().manual_seed(1)
+    k_buf, v_buf = torch.randn(2, 500, 3, 64, generator=g).bfloat16()
+    table = torch.randint(1, 500, (8, 200), generator=g)
+    q = torch.randn(8, 9 * 64, generator=g).bfloat16()
+    lens = torch.randint(1, 200, (8,), generator=g)
+    batch = cpu_kernels.decode_attention(q, k_buf, v_buf, table, torch.arange(8), lens, 0.125)
+    for i in range(8):
+        alone = cpu_kernels.decode_attention(q[i: i + 1], k_buf, v_buf, table,
+                                             torch.tensor([i]), lens[i: i + 1], 0.125)
+        assert torch.equal(alone[0], batch[i])
+
+
+def test_decode_attention_reads_strided_queries():
+    """q as the model passes it: a column slice of the fused qkv output."""
+    g = torch.Generator().manual_seed(2)
+    k_buf, v_buf = torch.randn(2, 100, 1, 64, generator=g)
+    qkv = torch.randn(3, 3 * 64, generator=g)
+    table, lens = torch.randint(1, 100, (3, 40), generator=g), torch.tensor([40, 7, 1])
+    args = (k_buf, v_buf, table, torch.arange(3), lens, 0.125)
+    assert torch.equal(cpu_kernels.decode_attention(qkv[:, :64], *args),
+                       cpu_kernels.decode_attention(qkv[:, :64].contiguous(), *args))
+
+
+def test_bad_inputs_are_refused_with_a_clear_error():
+    k_buf = v_buf = torch.zeros(10, 1, 64)
+    table, q = torch.zeros(1, 5, dtype=torch.int64), torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        cpu_kernels.decode_attention(q, k_buf, v_buf, table, torch.tensor([0]),
+                                     torch.tensor([6]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        cpu_kernels.silu_and_mul(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.decode_attention(q.bfloat16(), k_buf, v_buf, table, torch.tensor([0]),
+                                     torch.tensor([5]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rotary_in_place_matches_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, 12 * 64, generator=g).to(dtype)
+    cos, sin = torch.rand(2, 7, 32, generator=g) * 2 - 1
+    x = qkv[:, : 10 * 64].view(7, 10, 64)  # q and k heads of a fused qkv, v left alone
+    x1, x2 = x.double().chunk(2, -1)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    v_before = qkv[:, 10 * 64:].clone()
+    out = cpu_kernels.rotary_(x, cos, sin)
+    assert out.data_ptr() == x.data_ptr()
+    close(x, want, dtype)
+    assert torch.equal(qkv[:, 10 * 64:], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_silu_and_mul_matches_reference(dtype):
+    x = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    gate, up = x.double().chunk(2, -1)
+    close(cpu_kernels.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+def test_small_linear_is_the_float32_product_of_bf16_weights():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1001, 576, generator=g).bfloat16()  # rows not a multiple of the 4-row tile
+    x = torch.randn(2, 576, generator=g)
+    close(cpu_kernels.small_linear(x, w), x.double() @ w.double().T, torch.float32)
+
+
+def _runner(path: str, dtype: str) -> ModelRunner:
+    mcfg = ModelConfig.from_path(path)
+    cfg = EngineConfig(model_path=path, dtype=dtype, max_total_tokens=4096,
+                       max_running_requests=16).resolve(mcfg)
+    return ModelRunner(cfg, mcfg)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_through_kernels_equals_op_by_op(tiny_llama_path, monkeypatch, dtype):
+    """Prefill, a mixed step and decode-only steps (the fused layer) against the same model with
+    the kernels off: float32 within float32 rounding, bf16 within bf16 rounding of the logits."""
+    calls = []
+    decode_layer = cpu_kernels.decode_layer
+    monkeypatch.setattr(cpu_kernels, "decode_layer", lambda *a: calls.append(1) or
+                        decode_layer(*a))
+    fused = _runner(tiny_llama_path, dtype)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    plain = _runner(tiny_llama_path, dtype)
+    monkeypatch.setattr(cpu_kernels, "_loaded", True)
+    tokens = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((20, 50, 100))]
+    seqs = {r: [Seq(r, t) for t in tokens] for r in (fused, plain)}
+    plans = [[(0, 3), (1, 40), (2, 60)], [(0, 1), (2, 30)]] + [[(0, 1), (1, 1), (2, 1)]] * 3
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for plan in plans:
+        a, b = ([run_step(r, [(seqs[r][i], n) for i, n in plan]) for r in (fused, plain)])
+        for x, y in zip(a, b):
+            assert (x - y).abs().max().item() < tol
+    assert len(calls) == 3 * 3  # three decode-only steps, three layers each
