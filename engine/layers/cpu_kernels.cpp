@@ -168,7 +168,8 @@ void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots
   }
   for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
     const int64_t nb = std::min(KEY_BLOCK, len - j0);
-    for (int64_t j = 0; j < nb; ++j) load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+    for (int64_t j = 0; j < nb; ++j)
+      load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores + g * len + j0;
       int64_t j = 0;
@@ -197,7 +198,8 @@ void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots
   std::fill(acc, acc + group * d, 0.f);
   for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
     const int64_t nb = std::min(KEY_BLOCK, len - j0);
-    for (int64_t j = 0; j < nb; ++j) load_row(v_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+    for (int64_t j = 0; j < nb; ++j)
+      load_row(v_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
     for (int64_t g = 0; g < group; ++g) {
       const float* p = scores + g * len + j0;
       if constexpr (D > 0) {
@@ -413,6 +415,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
                     c10::string_view(""));
 }
 
+// k_buf[loc[t]] = the k columns of qkv row t (from column q_size), v_buf[loc[t]] the v columns
+// after them: index_copy_ of both, without its two dispatches.
+void store_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& k_buf,
+              const at::Tensor& v_buf, const at::Tensor& loc) {
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.is_contiguous() && loc.numel() == qkv.size(0),
+              "out_cache_loc must be contiguous int64, one slot per token");
+  TORCH_CHECK(qkv.stride(1) == 1 && qkv.scalar_type() == k_buf.scalar_type() &&
+                  k_buf.is_contiguous() && v_buf.is_contiguous(),
+              "qkv rows must be dense and share the KV pool's dtype");
+  const int64_t slots = k_buf.size(0), row = k_buf.size(1) * k_buf.size(2);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  const auto bytes = row * k_buf.element_size();
+  const char* src = static_cast<const char*>(qkv.data_ptr());
+  char* kp = static_cast<char*>(k_buf.data_ptr());
+  char* vp = static_cast<char*>(v_buf.data_ptr());
+  const int64_t stride = qkv.stride(0) * qkv.element_size(), offset = q_size * qkv.element_size();
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "out_cache_loc out of range");
+    std::memcpy(kp + lp[t] * bytes, src + t * stride + offset, bytes);
+    std::memcpy(vp + lp[t] * bytes, src + t * stride + offset + bytes, bytes);
+  }
+}
+
 // One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
 // models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
 // + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
@@ -430,8 +455,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   const std::vector<int64_t> hidden{x.size(1)};
   auto qkv = linear(at::rms_norm(x, hidden, ln1, eps), qkv_w, qkv_b, nullptr, onednn);
   rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
-  k_buf.index_copy_(0, loc, qkv.slice(1, q_size, q_size + kv_size).reshape({-1, hkv, d}));
-  v_buf.index_copy_(0, loc, qkv.slice(1, q_size + kv_size).reshape({-1, hkv, d}));
+  store_kv(qkv, q_size, k_buf, v_buf, loc);
   auto o = decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
                             seq_lens, scale);
   auto h = linear(o, o_w, c10::nullopt, &x, onednn);
