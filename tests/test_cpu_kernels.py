@@ -51,14 +51,20 @@ def test_decode_attention_matches_reference(dtype, head_dim, group):
     hkv, slots, width = 2, 4000, 700
     k_buf = torch.randn(slots, hkv, head_dim, generator=g).to(dtype)
     v_buf = torch.randn(slots, hkv, head_dim, generator=g).to(dtype)
-    table = torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1 for _ in range(6)])
-    req_idx = torch.tensor([4, 0, 2, 5, 1])
-    seq_lens = torch.tensor([1, 31, 33, 700, 129])  # one key, block edges, the full row
-    q = torch.randn(5, hkv * group * head_dim, generator=g).to(dtype)
+    # Few rows run a task per (row, kv head), many (>= 4 per thread) a task per row.
+    rows = 4 * torch.get_num_threads() + 1
+    table = torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1
+                         for _ in range(rows)])
+    req_idx = torch.randperm(rows, generator=g)
+    # one key, block edges, the full row
+    seq_lens = torch.tensor([1, 31, 33, 700, 129] + [3 * i + 1 for i in range(rows - 5)])
+    q = torch.randn(rows, hkv * group * head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
-    got = cpu_kernels.decode_attention(q, k_buf, v_buf, table, req_idx, seq_lens, scale)
-    assert got.dtype == dtype and got.shape == q.shape
-    close(got, reference_attention(q, k_buf, v_buf, table, req_idx, seq_lens, scale), dtype)
+    for n in (5, rows):
+        args = (q[:n], k_buf, v_buf, table, req_idx[:n], seq_lens[:n], scale)
+        got = cpu_kernels.decode_attention(*args)
+        assert got.dtype == dtype and got.shape == q[:n].shape
+        close(got, reference_attention(*args), dtype)
 
 
 def test_decode_attention_rows_do_not_depend_on_batch_mates():

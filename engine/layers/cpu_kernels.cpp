@@ -218,6 +218,22 @@ void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots
   }
 }
 
+// Asks for the K and V rows of heads [h0, h0 + heads) of a row's slots before they are read: a
+// row's keys sit a slot per decode step of its batch apart (kilobytes), which the hardware
+// prefetcher does not follow, and the loads would otherwise wait on memory one by one.
+template <typename T>
+void prefetch_rows(const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
+                   int64_t hkv, int64_t d, int64_t h0, int64_t heads) {
+  const int64_t bytes = heads * d * int64_t(sizeof(T));
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t offset = (slots[j] * hkv + h0) * d;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_buf + offset) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_buf + offset) + b);
+    }
+  }
+}
+
 // q [n, Hq * D] (any row stride), k_buf / v_buf [slots, Hkv, D], req_to_token [R, W] int64,
 // req_idx [n] and seq_lens [n] int64 -> out [n, Hq * D]: row i's query attends to its seq_lens[i]
 // tokens at slots req_to_token[req_idx[i], :seq_lens[i]] (its own new token included).
@@ -254,16 +270,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     const scalar_t* vp = v_buf.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t q_stride = q.stride(0);
-    at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
+    // A task is a row's every kv head (whole slots read at once) when there are rows enough
+    // for the threads, else a (row, kv head) pair.
+    const int64_t splits = n >= 4 * at::get_num_threads() ? 1 : hkv, heads = hkv / splits;
+    at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf(group * d), block(KEY_BLOCK * d), scores(group * max_len),
           acc(group * d);
       const auto one = d == 64 ? attend_one<64, scalar_t>
                        : d == 128 ? attend_one<128, scalar_t> : attend_one<0, scalar_t>;
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t i = t / hkv, h = t % hkv;
-        one(qp + i * q_stride + h * group * d, kp, vp, table + rows[i] * width, lens[i], h, hkv,
-            group, d, fscale, op + i * q.size(1) + h * group * d, qf.data(), block.data(),
-            scores.data(), acc.data());
+        const int64_t i = t / splits, h0 = t % splits * heads;
+        const int64_t* slots = table + rows[i] * width;
+        prefetch_rows(kp, vp, slots, lens[i], hkv, d, h0, heads);
+        for (int64_t h = h0; h < h0 + heads; ++h)
+          one(qp + i * q_stride + h * group * d, kp, vp, slots, lens[i], h, hkv, group, d,
+              fscale, op + i * q.size(1) + h * group * d, qf.data(), block.data(),
+              scores.data(), acc.data());
       }
     });
   });
