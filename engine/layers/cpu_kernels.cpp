@@ -221,11 +221,14 @@ void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots
 // Asks for the K and V rows of heads [h0, h0 + heads) of a row's slots before they are read: a
 // row's keys sit a slot per decode step of its batch apart (kilobytes), which the hardware
 // prefetcher does not follow, and the loads would otherwise wait on memory one by one.
+// At most PREFETCH_KEYS keys, so what is asked for still fits in L2 when it is read.
+constexpr int64_t PREFETCH_KEYS = 256;
+
 template <typename T>
 void prefetch_rows(const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
                    int64_t hkv, int64_t d, int64_t h0, int64_t heads) {
   const int64_t bytes = heads * d * int64_t(sizeof(T));
-  for (int64_t j = 0; j < len; ++j) {
+  for (int64_t j = 0; j < std::min(len, PREFETCH_KEYS); ++j) {
     const int64_t offset = (slots[j] * hkv + h0) * d;
     for (int64_t b = 0; b < bytes; b += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k_buf + offset) + b);
