@@ -1,5 +1,6 @@
-"""Fused CPU kernels for the step's small ops (cpu_kernels.cpp): paged decode attention, in-place
-rotary, SiLU-and-multiply, in float32 and bfloat16.
+"""Fused CPU kernels (cpu_kernels.cpp), float32 and bfloat16: paged decode attention, in-place
+rotary, SiLU-and-multiply, a whole decoder layer for decode-only steps, and a float32 x bf16
+matrix-vector product for the float32 lm_head of a bf16 model at batch 1.
 
 Without them a decode layer is ~25 torch ops whose dispatch and extra passes cost more than its
 matmuls at batch 1, and decode attention gathers every row's keys into a padded copy first. The
@@ -99,5 +100,5 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def decode_layer(x: torch.Tensor, *args) -> torch.Tensor:
     """One decoder layer of a decode-only batch in one call (see decode_layer in the .cpp for
-    the arguments); models/llama.py's LlamaDecoderLayer.fused_args builds them."""
+    the arguments); models/llama.py's LlamaDecoderLayer.forward_fused passes them."""
     return torch.ops.hotswap.decode_layer(x, *args)
