@@ -3,7 +3,9 @@ stepped through them against the same model stepped op by op."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -164,3 +166,16 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
             assert (x - y).abs().max().item() < tol
     # three decode-only steps, three layers each
     assert len(calls) == (0 if fused.model_config.qk_norm else 3 * 3)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A build killed midway leaves torch's lock file behind; later loads would wait forever."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels._drop_stale_lock(lock)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_kernels._drop_stale_lock(lock)
+    assert not lock.exists()
+    cpu_kernels._drop_stale_lock(lock)  # nothing there: nothing to do

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _loaded: bool | None = None  # None: not tried yet
+STALE_LOCK_S = 600
 
 
 def _cpu_tag() -> str:
@@ -48,17 +49,30 @@ def _build() -> bool:
         logger.warning("CPU kernels not built (no %s on PATH): torch ops instead, slower",
                        " or ".join(missing))
         return False
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
+    name = f"hotswap_cpu_kernels_{_cpu_tag()}"
     start = time.perf_counter()
     try:
-        load(f"hotswap_cpu_kernels_{_cpu_tag()}", [str(_SOURCE)], is_python_module=False,
+        _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+        load(name, [str(_SOURCE)], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a compiler error, a missing header: fall back, say why
         logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
         return False
     logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
     return True
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's build lock is a file that a build killed midway leaves behind, and every later
+    load then waits on it forever; a build takes seconds, so a lock this old is such a leftover."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("removed a stale CPU-kernel build lock %s", lock)
+    except FileNotFoundError:
+        pass
 
 
 def available() -> bool:
