@@ -121,6 +121,29 @@ inline void dot4_fixed(const float* a, const float* rows, float* out) {
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
+#if defined(__AVX512BF16__)
+// out[r] = scale * (q . k[r]) for four bf16 key rows, with AVX512-BF16's pairwise products (exact
+// in float32) and float32 sums: a bf16 q and bf16 keys need no widening.
+template <int64_t D>
+inline void dot4_bf16(const at::BFloat16* q, const at::BFloat16* const* k, float scale,
+                      float* out) {
+  __m512 s[4];
+  for (int64_t r = 0; r < 4; ++r) {
+    s[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32)
+      s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_loadu_si512(q + c),
+                              (__m512bh)_mm512_loadu_si512(k[r] + c));
+  }
+  __m256 t[4];
+  for (int64_t r = 0; r < 4; ++r)
+    t[r] = _mm256_add_ps(_mm512_castps512_ps256(s[r]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[r]), 1)));
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  _mm_storeu_ps(out, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                _mm_set1_ps(scale)));
+}
+#endif
+
 // acc[0:D] += sum_j p[j] * rows[j, 0:D] for j < nb.
 template <int64_t D>
 inline void weighted_sum_fixed(const float* p, const float* rows, int64_t nb, float* acc) {
@@ -166,6 +189,27 @@ void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * len;
+      const at::BFloat16* qg = q + g * D;
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) {
+        const at::BFloat16* k4[4];
+        for (int64_t r = 0; r < 4; ++r) k4[r] = k_buf + (slots[j + r] * hkv + h) * D;
+        dot4_bf16<D>(qg, k4, scale, sg + j);
+      }
+      for (; j < len; ++j) {
+        const at::BFloat16* k1[4];
+        for (int64_t r = 0; r < 4; ++r) k1[r] = k_buf + (slots[j] * hkv + h) * D;
+        float tmp[4];
+        dot4_bf16<D>(qg, k1, scale, tmp);
+        sg[j] = tmp[0];
+      }
+    }
+  } else
+#endif
   for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
     const int64_t nb = std::min(KEY_BLOCK, len - j0);
     for (int64_t j = 0; j < nb; ++j)
