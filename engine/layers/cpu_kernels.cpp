@@ -175,53 +175,50 @@ inline void weighted_sum_fixed(const float* p, const float* rows, int64_t nb, fl
 #endif
 
 // One (row, kv head) pair: the `group` query heads that share kv head h attend over the row's
-// `len` keys, whose pool slots are `slots[0:len]`. Keys and values are widened KEY_BLOCK rows at
-// a time into `rows` [KEY_BLOCK, D], then every head runs over the block with its accumulator
-// in registers (D is a compile-time constant for the common head sizes, so the loops unroll).
-// Scores go to `scores` [group, len].
+// `len` keys, whose pool slots are `slots[0:len]`. bf16 keys meet a bf16 q in AVX512-BF16
+// pairwise products where the CPU has them; otherwise keys, and always values, are widened
+// KEY_BLOCK rows at a time into `rows` [KEY_BLOCK, D], then every head runs over the block with
+// its accumulator in registers (D is a compile-time constant for the common head sizes, so the
+// loops unroll). Scores go to `scores` [group, len].
 template <int64_t D, typename T>
 void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
                 int64_t h, int64_t hkv, int64_t group, int64_t d, float scale, T* out,
                 float* qf, float* rows, float* scores, float* acc) {
   if constexpr (D > 0) d = D;
-  for (int64_t g = 0; g < group; ++g) {
-    load_row(q + g * d, qf + g * d, d);
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
-  }
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0) {
+    // Four keys per call; the last call of a row repeats its last key where fewer are left.
     for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * len;
-      const at::BFloat16* qg = q + g * D;
-      int64_t j = 0;
-      for (; j + 4 <= len; j += 4) {
+      for (int64_t j = 0; j < len; j += 4) {
         const at::BFloat16* k4[4];
-        for (int64_t r = 0; r < 4; ++r) k4[r] = k_buf + (slots[j + r] * hkv + h) * D;
-        dot4_bf16<D>(qg, k4, scale, sg + j);
-      }
-      for (; j < len; ++j) {
-        const at::BFloat16* k1[4];
-        for (int64_t r = 0; r < 4; ++r) k1[r] = k_buf + (slots[j] * hkv + h) * D;
-        float tmp[4];
-        dot4_bf16<D>(qg, k1, scale, tmp);
-        sg[j] = tmp[0];
+        for (int64_t r = 0; r < 4; ++r)
+          k4[r] = k_buf + (slots[std::min(j + r, len - 1)] * hkv + h) * D;
+        float s4[4];
+        dot4_bf16<D>(q + g * D, k4, scale, s4);
+        std::copy(s4, s4 + std::min<int64_t>(4, len - j), scores + g * len + j);
       }
     }
   } else
 #endif
-  for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
-    const int64_t nb = std::min(KEY_BLOCK, len - j0);
-    for (int64_t j = 0; j < nb; ++j)
-      load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+  {
     for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * len + j0;
-      int64_t j = 0;
-      if constexpr (D > 0) {
-        for (; j + 4 <= nb; j += 4) dot4_fixed<D>(qf + g * d, rows + j * d, sg + j);
-        for (; j < nb; ++j) sg[j] = dot_fixed<D>(qf + g * d, rows + j * d);
-      } else {
-        for (; j < nb; ++j) sg[j] = dot(qf + g * d, rows + j * d, d);
+      load_row(q + g * d, qf + g * d, d);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
+      const int64_t nb = std::min(KEY_BLOCK, len - j0);
+      for (int64_t j = 0; j < nb; ++j)
+        load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores + g * len + j0;
+        int64_t j = 0;
+        if constexpr (D > 0) {
+          for (; j + 4 <= nb; j += 4) dot4_fixed<D>(qf + g * d, rows + j * d, sg + j);
+          for (; j < nb; ++j) sg[j] = dot_fixed<D>(qf + g * d, rows + j * d);
+        } else {
+          for (; j < nb; ++j) sg[j] = dot(qf + g * d, rows + j * d, d);
+        }
       }
     }
   }
