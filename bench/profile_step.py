@@ -59,14 +59,14 @@ def breakdown(prof) -> dict[str, float]:
     """ms per kind inside the forward (self CPU time), plus the labelled scopes."""
     out: dict[str, float] = collections.defaultdict(float)
     events = prof.events()
-    lm_ranges = [(e.time_range.start, e.time_range.end) for e in events
-                 if e.name == "hs::lm_head"]
+    scoped = [(e.time_range.start, e.time_range.end) for e in events
+              if e.name in ("hs::lm_head", "hs::sample")]
     for e in events:
         if e.name in SCOPES:
             out[e.name] += e.cpu_time_total / 1e3
             continue
-        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in lm_ranges):
-            continue  # counted under the lm_head scope
+        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in scoped):
+            continue  # counted under the lm_head or the sampler scope
         out[kind(e.name)] += e.self_cpu_time_total / 1e3
         out["op " + e.name] += e.self_cpu_time_total / 1e3
     return out

@@ -111,5 +111,6 @@ def test_bf16_matmul_weights_are_packed(tiny_llama_path):
     layer = runner.model.model.layers[0]
     assert layer.mlp.down_proj.packed is not None
     assert layer.self_attn.qkv_proj.packed.dtype == torch.bfloat16
-    assert runner.model.fp32_head.packed is not None
+    head = runner.model.fp32_head  # float32 copy packed, or (AMX) the bf16 weight packed
+    assert head.packed is not None or head.amx is not None
     assert runner.model.lm_head_packed is None  # the bf16 lm_head is never multiplied then

@@ -3,6 +3,7 @@ stepped through them against the same model stepped op by op."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -13,8 +14,10 @@ import torch.nn.functional as F
 from test_model_runner import Seq, run_step
 
 from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.executor import sampling
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.norm import rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -131,11 +134,89 @@ def test_silu_and_mul_matches_reference(dtype):
     close(cpu_kernels.silu_and_mul(x), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rms_norm_matches_reference(dtype):
+    """Rows of 2-D input and of the strided per-head slices Qwen3's q/k norms take."""
+    g = torch.Generator().manual_seed(9)
+    weight = (1 + 0.3 * torch.randn(64, generator=g)).to(dtype)
+    qkv = (torch.randn(5, 12, 64, generator=g) * 3).to(dtype)
+    for x in (qkv.view(30, 128), qkv[:, 2:9]):
+        want = F.rms_norm(x.double(), (x.shape[-1],), None, 1e-6)
+        want = want * (weight.double() if x.shape[-1] == 64 else 1)
+        w = weight if x.shape[-1] == 64 else torch.ones(x.shape[-1], dtype=dtype)
+        got = rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape
+        close(got, want, dtype)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        cpu_kernels.rms_norm(qkv.view(30, 128).float(), torch.ones(128, dtype=torch.bfloat16),
+                             1e-6)
+
+
 def test_small_linear_is_the_float32_product_of_bf16_weights():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(1001, 576, generator=g).bfloat16()  # rows not a multiple of the 4-row tile
     x = torch.randn(2, 576, generator=g)
     close(cpu_kernels.small_linear(x, w), x.double() @ w.double().T, torch.float32)
+
+
+def test_sample_rows_draws_what_the_torch_ops_draw():
+    """The fused whole-vocabulary draw against sampling.py's torch path: the same tokens at the
+    same uniforms (including u at the ends of [0, 1)), the same log-sum-exp, on vocabularies
+    that end inside a block; greedy rows take the first maximum."""
+    g = torch.Generator().manual_seed(8)
+    for vocab in (49152, 1003, 5):
+        x = torch.randn(257, vocab, generator=g) * 3
+        u = torch.rand(257, generator=g, dtype=torch.float64)
+        u[:2] = torch.tensor([0.0, 1.0 - 2 ** -53], dtype=torch.float64)
+        tokens, lse = cpu_kernels.sample_rows(x, u)
+        assert torch.equal(tokens, sampling._inverse_cdf(torch.softmax(x, -1), u))
+        # float32 block sums cumulated in float64: closer to float64 than softmax's normaliser
+        torch.testing.assert_close(lse, torch.logsumexp(x.double(), -1), atol=1e-6, rtol=0)
+        x[:, 1] = x.amax(-1)  # a tie with the first maximum past index 1 where it was later
+        assert torch.equal(cpu_kernels.sample_rows(x, None)[0], sampling._argmax(x))
+
+
+def test_sample_rows_never_draws_a_masked_token_and_survives_empty_rows():
+    x = torch.full((4, 3000), -math.inf)
+    x[:3, [7, 2999]] = torch.tensor([0.0, -30.0])
+    u = torch.tensor([0.0, 0.5, 1.0 - 2 ** -53, 0.5], dtype=torch.float64)
+    tokens, lse = cpu_kernels.sample_rows(x, u)
+    assert tokens[:3].tolist() == [7, 7, 2999]  # u near 1 lands on the 1e-13 token
+    assert 0 <= int(tokens[3]) < 3000 and torch.isneginf(lse[3])  # no finite logit: no crash
+    with pytest.raises(RuntimeError, match="one uniform per row"):
+        cpu_kernels.sample_rows(x, u[:2])
+
+
+amx_only = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.head_amx()),
+                              reason="no AMX here: the float32 head multiplies float32 copies")
+
+
+@amx_only
+@pytest.mark.parametrize("vocab,k", [(1000, 576), (333, 96), (70, 40)])
+def test_amx_head_is_the_float32_final_norm_and_lm_head(vocab, k):
+    """Vocabularies that end inside a 64-row block, hidden sizes that are not a multiple of 32,
+    and more rows than one span (256) against float64; every row as it is alone."""
+    g = torch.Generator().manual_seed(vocab + k)
+    w = (torch.randn(vocab, k, generator=g) * 0.05).bfloat16()
+    norm = (1 + 0.2 * torch.randn(k, generator=g)).bfloat16()
+    packed = cpu_kernels.head_pack(w)
+    for rows in (1, 7, 300):
+        hidden = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+        got = cpu_kernels.head_logits(hidden, norm, 1e-5, packed, vocab)
+        want = F.rms_norm(hidden.double(), (k,), norm.double(), 1e-5) @ w.double().T
+        close(got, want, torch.float32)
+        last = cpu_kernels.head_logits(hidden[-1:].clone(), norm, 1e-5, packed, vocab)
+        assert torch.equal(last[0], got[-1])
+
+
+@amx_only
+def test_amx_head_refuses_a_pack_of_another_shape():
+    packed = cpu_kernels.head_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
+    hidden, norm = torch.zeros(2, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="packed must be head_pack"):
+        cpu_kernels.head_logits(hidden, norm, 1e-5, packed, 200)
+    with pytest.raises(RuntimeError, match="bfloat16, expected"):
+        cpu_kernels.head_logits(hidden.float(), norm, 1e-5, packed, 100)
 
 
 def _runner(path: str, dtype: str) -> ModelRunner:

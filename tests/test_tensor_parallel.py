@@ -215,9 +215,10 @@ def test_bf16_tp2_keeps_the_fp32_lm_head_on_its_vocab_rows(models):
     def run(tp_size: int) -> tuple[list, tuple[int, ...]]:
         with Engine(models["a"], device="cpu", dtype="bfloat16", max_total_tokens=2048,
                     tp_size=tp_size) as engine:
-            head = engine.runner.model.fp32_head
-            assert head is not None and head.weight.dtype == torch.float32
-            return _run(engine), tuple(head.norm_weight.shape) + (head.weight.shape[0],)
+            model = engine.runner.model
+            head = model.fp32_head
+            assert head is not None and head.norm_weight.dtype == torch.float32
+            return _run(engine), tuple(head.norm_weight.shape) + (model.lm_head_weight.shape[0],)
 
     (want, (_, rows_one)), (got, (_, rows_two)) = run(1), run(2)
     assert rows_two == rows_one // 2 or rows_two == (rows_one + 1) // 2

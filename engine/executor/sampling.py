@@ -18,7 +18,9 @@ probability near 1e-8 keep their share. One uniform per row replaces the per-tok
 Gumbel-max trick, which on CPU costs more than the whole rest of the sampler (torch's
 `exponential_` over [64, 49152] takes about 45 ms here). No reduction below runs across rows,
 so a row's result depends only on its own logits, params and (seed, step); which rows share
-the batch only changes how many rows each kernel processes.
+the batch only changes how many rows each kernel processes. On CPU, where the fused kernels are
+built, whole-vocabulary rows take this draw in one call (cpu_kernels.sample_rows: three passes
+over each row instead of ~15 ops over [B, V]; the same blocks and float64 sums).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.engine.core.sampling_params import SamplingParams, seeded_uniform
+from hotswap.engine.layers import cpu_kernels
 
 BLOCK = 128  # vocabulary block of the two-level CDF; divides every common vocabulary size
 MIN_CANDIDATES = 64  # first topk width tried for truncated rows (a multiple of 16, see _round16)
@@ -357,12 +360,21 @@ def _whole_vocab(
     greedy = u is None
     if greedy and not return_logprob:
         return _GroupResult(_argmax(x), None, None, None)
-    probs = torch.softmax(x, dim=-1)
-    argmax = _argmax(x) if greedy or return_logprob else None
-    tokens = argmax if greedy else _inverse_cdf(probs, u)
+    if _fused(x):
+        tokens, lse = cpu_kernels.sample_rows(x, u)
+    else:
+        probs = torch.softmax(x, dim=-1)
+        argmax = _argmax(x) if greedy or return_logprob else None
+        tokens = argmax if greedy else _inverse_cdf(probs, u)
+        lse = _lse(x, probs, argmax) if return_logprob else None
     if not return_logprob:
         return _GroupResult(tokens, None, None, None)
-    return _logprobs(x, _lse(x, probs, argmax), tokens, top_k)
+    return _logprobs(x, lse, tokens, top_k)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """The same draw in one CPU kernel call (cpu_kernels.sample_rows) where it is built."""
+    return x.dtype == torch.float32 and cpu_kernels.applies(x)
 
 
 def _round16(k: int, vocab: int) -> int:
@@ -469,7 +481,8 @@ def _draw_from_slice(
 def _raw(logits: torch.Tensor, group: RowGroup, tokens: torch.Tensor, top_k: int) -> _GroupResult:
     """Logprobs of the unprocessed logits at the chosen tokens, for logprob_mode="raw" rows."""
     x = group.take(logits.float())
-    lse = _lse(x, torch.softmax(x, dim=-1), _argmax(x))
+    lse = (cpu_kernels.sample_rows(x, None)[1] if _fused(x)
+           else _lse(x, torch.softmax(x, dim=-1), _argmax(x)))
     return _logprobs(x, lse, group.take(tokens), top_k)
 
 

@@ -6,12 +6,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -372,6 +374,37 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   return x;
 }
 
+// RMSNorm of each row of x [T, H] times weight [H] (same dtype): float32 arithmetic, one
+// rounding at the end, as F.rms_norm computes it in ~30 ops.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "x [tokens, hidden] and weight [hidden] of one dtype expected");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t t = x.size(0), h = x.size(1);
+  auto out = at::empty({t, h}, x.options());
+  dispatch(x.scalar_type(), "rms_norm", [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, t, std::max<int64_t>(1, 32768 / h), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* row = xp + i * h;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < h; ++j) ss += widen(row[j]) * widen(row[j]);
+        const float r = 1.f / std::sqrt(ss / float(h) + float(eps));
+        scalar_t* o = op + i * h;
+#pragma omp simd
+        for (int64_t j = 0; j < h; ++j) o[j] = narrow<scalar_t>(widen(row[j]) * r * widen(wp[j]));
+      }
+    });
+  });
+  return out;
+}
+
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
@@ -456,6 +489,225 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+// The float32 final norm + lm_head of a bf16 model on AMX, from bf16 matmuls with float32
+// accumulation (oneDNN's brgemm through ATen's cpublas; AMX runs them ~4x faster than float32).
+// With h the bf16 hidden state, g the bf16 norm weight and s = 1/sqrt(mean(h^2) + eps):
+//   logits = (s * h * g) @ W.T = s * ((h * g) @ W.T)
+// h * g is a product of two bf16 values, exact in float32 with at most 16 significant bits, so
+// it splits exactly into hi + lo, two bf16 values; W is bf16 itself. The two bf16 passes
+// hi @ W.T + lo @ W.T then multiply exactly what a float32 matmul of the normed state and the
+// float32 copy of W multiplies, summed in float32 in another order, and the scale s comes last.
+// W is packed once (head_pack) into VNNI blocks of HEAD_BLOCK vocabulary rows.
+constexpr int64_t HEAD_BLOCK = 64;  // vocabulary rows per packed block (one brgemm N)
+constexpr int64_t HEAD_ROWS = 64;   // hidden rows per brgemm call (M)
+constexpr int64_t HEAD_SPAN = 256;  // rows whose split parts stay in L2 while W streams past
+
+bool head_amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+at::Tensor head_pack(const at::Tensor& w) {
+  TORCH_CHECK(head_amx(), "head_pack needs AMX (cpublas::could_pack(bfloat16))");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "weight [n, k] bfloat16 with an even k expected");
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + HEAD_BLOCK - 1) / HEAD_BLOCK;
+  auto padded = at::zeros({blocks * HEAD_BLOCK, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  // [blocks, k, HEAD_BLOCK]: each block as the k x N operand B, then VNNI-interleaved.
+  auto b = padded.view({blocks, HEAD_BLOCK, k}).transpose(1, 2).contiguous();
+  auto out = at::empty({blocks, k * HEAD_BLOCK}, w.options());
+  const at::BFloat16* src = b.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i)
+      at::native::cpublas::pack(k, HEAD_BLOCK, HEAD_BLOCK, HEAD_BLOCK, at::kBFloat16,
+                                at::kBFloat16, src + i * k * HEAD_BLOCK, dst + i * k * HEAD_BLOCK);
+  });
+  return out;
+}
+
+// One span of rows: parts [2, rows, k] (hi, lo), scales [rows]; out rows [rows, n].
+void head_span(const at::BFloat16* parts, const float* scales, const at::BFloat16* packed,
+               float* out, int64_t rows, int64_t k, int64_t n) {
+  const int64_t blocks = (n + HEAD_BLOCK - 1) / HEAD_BLOCK;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    float tile[HEAD_ROWS * HEAD_BLOCK];
+    for (int64_t b = b0; b < b1; ++b) {
+      const at::BFloat16* B = packed + b * k * HEAD_BLOCK;
+      const int64_t c0 = b * HEAD_BLOCK, width = std::min(HEAD_BLOCK, n - c0);
+      for (int64_t r0 = 0; r0 < rows; r0 += HEAD_ROWS) {
+        const int64_t m = std::min(HEAD_ROWS, rows - r0);
+        for (int64_t part = 0; part < 2; ++part)
+          at::native::cpublas::brgemm(m, HEAD_BLOCK, k, k, HEAD_BLOCK, HEAD_BLOCK, part > 0,
+                                      parts + (part * rows + r0) * k, B, tile, true);
+        for (int64_t i = 0; i < m; ++i) {
+          const float s = scales[r0 + i];
+          const float* t = tile + i * HEAD_BLOCK;
+          float* o = out + (r0 + i) * n + c0;
+#pragma omp simd
+          for (int64_t j = 0; j < width; ++j) o[j] = s * t[j];
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                       const at::Tensor& packed, int64_t vocab) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 &&
+                  norm_weight.scalar_type() == at::kBFloat16 &&
+                  norm_weight.numel() == hidden.size(1),
+              "hidden [m, k] and norm_weight [k], both bfloat16, expected");
+  const int64_t m = hidden.size(0), k = hidden.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
+                  packed.size(1) == k * HEAD_BLOCK &&
+                  packed.size(0) == (vocab + HEAD_BLOCK - 1) / HEAD_BLOCK,
+              "packed must be head_pack of a [vocab, k] weight");
+  auto h = hidden.contiguous();
+  auto g = norm_weight.contiguous();
+  auto out = at::empty({m, vocab}, hidden.options().dtype(at::kFloat));
+  const at::BFloat16* hp = h.data_ptr<at::BFloat16>();
+  const at::BFloat16* gp = g.data_ptr<at::BFloat16>();
+  std::vector<at::BFloat16> parts(2 * std::min(m, HEAD_SPAN) * k);
+  std::vector<float> scales(std::min(m, HEAD_SPAN));
+  for (int64_t s0 = 0; s0 < m; s0 += HEAD_SPAN) {
+    const int64_t rows = std::min(HEAD_SPAN, m - s0);
+    at::BFloat16* hi = parts.data();
+    at::BFloat16* lo = hi + rows * k;
+    for (int64_t i = 0; i < rows; ++i) {
+      const at::BFloat16* row = hp + (s0 + i) * k;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < k; ++j) ss += widen(row[j]) * widen(row[j]);
+      scales[i] = 1.f / std::sqrt(ss / float(k) + float(eps));
+      for (int64_t j = 0; j < k; ++j) {
+        const float p = widen(row[j]) * widen(gp[j]);  // exact: 8 x 8 significant bits
+        const at::BFloat16 top = narrow<at::BFloat16>(p);
+        hi[i * k + j] = top;
+        lo[i * k + j] = narrow<at::BFloat16>(p - widen(top));  // exact: the other <= 8 bits
+      }
+    }
+    head_span(parts.data(), scales.data(), packed.data_ptr<at::BFloat16>(),
+              out.data_ptr<float>() + s0 * vocab, rows, k, vocab);
+  }
+  return out;
+}
+
+// Sampling over the whole vocabulary (executor/sampling.py's two-level inverse CDF, one row per
+// task, in three passes over the row instead of torch's ~15 ops and their [n, V] temporaries):
+// the max and its first index; exp(x - max) summed per block of SAMPLE_BLOCK tokens (float32,
+// the block totals cumulated in float64); then, for a sampled row, the block where u * total
+// falls and the token inside it from a float64 cumulative sum of the block's weights. lse =
+// max + log(total) gives the logprobs. A row's result depends on its own logits and u only.
+constexpr int64_t SAMPLE_BLOCK = 128;  // = sampling.BLOCK
+
+inline double below(double bound) { return std::nextafter(bound, 0.0); }
+
+inline float block_weights(const float* x, int64_t width, float max, float* w) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < width; ++j) {
+    const float d = x[j] - max;
+    w[j] = d < -87.f ? 0.f : fast_exp(d);  // masked (-inf) tokens get exactly no mass
+    sum += w[j];
+  }
+  return sum;
+}
+
+// Lane-wise loops the compiler vectorises (a max reduction over std::max is not).
+constexpr int64_t LANES = 16;
+
+inline float row_max(const float* x, int64_t n) {
+  float lanes[LANES];
+  std::fill(lanes, lanes + LANES, -INFINITY);
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES)
+    for (int64_t l = 0; l < LANES; ++l) lanes[l] = x[j + l] > lanes[l] ? x[j + l] : lanes[l];
+  float max = -INFINITY;
+  for (int64_t l = 0; l < LANES; ++l) max = lanes[l] > max ? lanes[l] : max;
+  for (; j < n; ++j) max = x[j] > max ? x[j] : max;
+  return max;
+}
+
+inline int64_t first_index(const float* x, int64_t n, float v) {
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    bool hit = false;
+    for (int64_t l = 0; l < LANES; ++l) hit |= x[j + l] == v;
+    if (hit) break;
+  }
+  for (; j < n; ++j)
+    if (x[j] == v) return j;
+  return 0;
+}
+
+void sample_row(const float* x, int64_t vocab, double u, bool greedy, float* mass,
+                int64_t* token, double* lse) {
+  const float max = row_max(x, vocab);
+  if (!std::isfinite(max)) {  // no finite logit (or +inf): a token, not a crash
+    *token = first_index(x, vocab, max);
+    *lse = max;
+    return;
+  }
+  const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+  float w[SAMPLE_BLOCK];
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t c0 = b * SAMPLE_BLOCK;
+    mass[b] = block_weights(x + c0, std::min(SAMPLE_BLOCK, vocab - c0), max, w);
+    total += mass[b];
+  }
+  *lse = double(max) + std::log(total);
+  if (greedy) {
+    *token = first_index(x, vocab, max);
+    return;
+  }
+  const double target = std::min(u * total, below(total));
+  double cum = 0.0;
+  int64_t b = 0;
+  for (; b < blocks - 1 && !(cum + mass[b] > target); ++b) cum += mass[b];
+  const int64_t c0 = b * SAMPLE_BLOCK, width = std::min(SAMPLE_BLOCK, vocab - c0);
+  block_weights(x + c0, width, max, w);
+  double inner = 0.0;
+  for (int64_t j = 0; j < width; ++j) inner += w[j];
+  const double frac = (target - cum) / double(mass[b]);
+  const double inner_target = std::min(frac * inner, below(inner));
+  double acc = 0.0;
+  int64_t pos = 0;
+  for (; pos < width - 1; ++pos) {
+    acc += w[pos];
+    if (acc > inner_target) break;
+  }
+  *token = c0 + pos;
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& x,
+                                               const c10::optional<at::Tensor>& u) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "logits [n, vocab] float32 expected");
+  const int64_t n = x.size(0), vocab = x.size(1);
+  const bool greedy = !u.has_value();
+  at::Tensor uc;
+  if (!greedy) {
+    uc = u->contiguous();
+    TORCH_CHECK(uc.scalar_type() == at::kDouble && uc.numel() == n,
+                "u must be float64 [n], one uniform per row");
+  }
+  auto xc = x.contiguous();
+  auto tokens = at::empty({n}, x.options().dtype(at::kLong));
+  auto lse = at::empty({n}, x.options().dtype(at::kDouble));
+  const float* xp = xc.data_ptr<float>();
+  const double* up = greedy ? nullptr : uc.data_ptr<double>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  double* lp = lse.data_ptr<double>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> mass((vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK);
+    for (int64_t r = r0; r < r1; ++r)
+      sample_row(xp + r * vocab, vocab, greedy ? 0.0 : up[r], greedy, mass.data(), tp + r,
+                 lp + r);
+  });
+  return {tokens, lse};
+}
+
 // x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it:
 // oneDNN's matmul (w packed or plain) with the residual add as its post-op where `onednn`,
 // else at::linear then the add.
@@ -518,15 +770,13 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
                         double scale) {
   const int64_t hkv = k_buf.size(1), d = k_buf.size(2);
   const int64_t q_size = num_heads * d, kv_size = hkv * d;
-  const std::vector<int64_t> hidden{x.size(1)};
-  auto qkv = linear(at::rms_norm(x, hidden, ln1, eps), qkv_w, qkv_b, nullptr, onednn);
+  auto qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, nullptr, onednn);
   rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
   store_kv(qkv, q_size, k_buf, v_buf, loc);
   auto o = decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
                             seq_lens, scale);
   auto h = linear(o, o_w, c10::nullopt, &x, onednn);
-  auto gate_up = linear(at::rms_norm(h, hidden, ln2, eps), gate_up_w, c10::nullopt, nullptr,
-                        onednn);
+  auto gate_up = linear(rms_norm(h, ln2, eps), gate_up_w, c10::nullopt, nullptr, onednn);
   return linear(silu_and_mul(gate_up), down_w, c10::nullopt, &h, onednn);
 }
 
@@ -536,8 +786,14 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
         "Tensor req_idx, Tensor seq_lens, float scale) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("small_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("sample_rows(Tensor x, Tensor? u) -> (Tensor, Tensor)");
+  m.def("head_amx() -> bool");
+  m.def("head_pack(Tensor weight) -> Tensor");
+  m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
+        "-> Tensor");
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor ln2, "
         "Tensor gate_up_w, Tensor down_w, float eps, bool onednn, Tensor cos, Tensor sin, "
         "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor req_to_token, Tensor req_idx, "
@@ -547,10 +803,16 @@ TORCH_LIBRARY(hotswap, m) {
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rotary_", &rotary_);
+  m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("small_linear", &small_linear);
+  m.impl("sample_rows", &sample_rows);
+  m.impl("head_pack", &head_pack);
+  m.impl("head_logits", &head_logits);
   m.impl("decode_layer", &decode_layer);
 }
+
+TORCH_LIBRARY_IMPL(hotswap, CompositeExplicitAutograd, m) { m.impl("head_amx", &head_amx); }
 
 // The packed weights are oneDNN tensors, which dispatch on their own key.
 TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }

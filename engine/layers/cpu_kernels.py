@@ -1,6 +1,7 @@
 """Fused CPU kernels (cpu_kernels.cpp), float32 and bfloat16: paged decode attention, in-place
-rotary, SiLU-and-multiply, a whole decoder layer for decode-only steps, and a float32 x bf16
-matrix-vector product for the float32 lm_head of a bf16 model at batch 1.
+rotary, SiLU-and-multiply, a whole decoder layer for decode-only steps, and the float32 lm_head
+of a bf16 model from its bf16 weights (AMX matmuls of an exact split where the CPU has AMX, a
+float32 x bf16 matrix-vector product at batch 1 elsewhere).
 
 Without them a decode layer is ~25 torch ops whose dispatch and extra passes cost more than its
 matmuls at batch 1, and decode attention gathers every row's keys into a padded copy first. The
@@ -102,6 +103,11 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.ops.hotswap.rotary_(x, cos, sin)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dim of x [T, H] with weight [H] of x's dtype, in one call."""
+    return torch.ops.hotswap.rms_norm(x, weight, eps)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
     return torch.ops.hotswap.silu_and_mul(x)
@@ -110,6 +116,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [m, k] float32 @ weight.T with weight [n, k] bfloat16, in float32 (a few rows m)."""
     return torch.ops.hotswap.small_linear(x, weight)
+
+
+def sample_rows(x: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [n] int64 drawn from softmax(x) [n, V] float32 at uniforms u [n] float64 by
+    sampling.py's two-level inverse CDF (u None: the first argmax), and each row's
+    log-sum-exp [n] float64."""
+    return torch.ops.hotswap.sample_rows(x, u)
+
+
+def head_amx() -> bool:
+    """Whether the bf16 lm_head can run as AMX matmuls (head_pack / head_logits)."""
+    return available() and torch.ops.hotswap.head_amx()
+
+
+def head_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 lm_head weight [vocab, k] (k even) in the VNNI blocks head_logits reads."""
+    return torch.ops.hotswap.head_pack(weight)
+
+
+def head_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Float32 logits [m, vocab] of bf16 hidden states [m, k]: the final RMSNorm and the lm_head
+    with float32 products and sums, from two exact bf16 parts of the normed state (see the .cpp)."""
+    return torch.ops.hotswap.head_logits(hidden, norm_weight, eps, packed, vocab)
 
 
 def decode_layer(x: torch.Tensor, *args) -> torch.Tensor:

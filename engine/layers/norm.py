@@ -4,6 +4,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.engine.layers import cpu_kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. In bf16/fp16 it computes in float32 and rounds once at the
+    end, where HF rounds the normalised input before the weight multiply (1 ulp apart at most).
+    On CPU F.rms_norm is ~30 ops (45 us for 64 bf16 rows of 576); the fused kernel is one pass."""
+    if x.dtype == weight.dtype and cpu_kernels.applies(x):
+        return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -12,6 +23,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op. In bf16/fp16 it computes in float32 and rounds once at the end, where
-        # HF rounds the normalised input before the weight multiply (1 ulp apart at most).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)

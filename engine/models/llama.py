@@ -17,12 +17,14 @@ from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.linear import Linear, linear, pack, uses_onednn
-from hotswap.engine.layers.norm import RMSNorm
+from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
 # the bytes of the float32 copy, the same products) in a matrix-vector kernel: measured 1.6 ms
-# against 2.6 ms for the 49k x 576 SmolLM2 head at 1 row; from 2 rows on they are even.
+# against 2.6 ms for the 49k x 576 SmolLM2 head at 1 row; from 2 rows on they are even. On AMX
+# more rows take cpu_kernels.head_logits (64 rows: 7 against 16 ms with the weights in cache,
+# 15 against 21 ms from DRAM, as in a decode step); at 1 row it is no faster than this kernel.
 SMALL_HEAD_ROWS = 1
 
 
@@ -39,11 +41,13 @@ class WeightSlot(NamedTuple):
 
 
 class Fp32Head(NamedTuple):
-    """Float32 copies of the final norm and lm_head weights of a bf16/fp16 model."""
+    """What the float32 final norm and lm_head of a bf16/fp16 model read: float32 copies of
+    both weights or, on AMX, the bf16 lm_head packed for cpu_kernels.head_logits."""
 
     norm_weight: torch.Tensor
-    weight: torch.Tensor  # the packed copy itself when packing applies (saves a copy)
+    weight: torch.Tensor | None  # the packed copy itself when packing applies (saves a copy)
     packed: torch.Tensor | None
+    amx: torch.Tensor | None = None  # head_pack(bf16 lm_head); then weight and packed are None
 
 
 def _project(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -193,16 +197,19 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.fp32_head
-        if head is not None:  # a bf16/fp16 model: final norm and lm_head in float32
-            x = F.rms_norm(hidden.float(), head.norm_weight.shape, head.norm_weight,
-                           self.cfg.rms_norm_eps)
-            weight = self.lm_head_weight
-            if (len(x) <= SMALL_HEAD_ROWS and weight.dtype == torch.bfloat16
-                    and cpu_kernels.applies(weight)):
-                return cpu_kernels.small_linear(x, weight)
-            return linear(x, head.weight, packed=head.packed)
-        return linear(self.model.norm(hidden), self.lm_head_weight,
-                      packed=self.lm_head_packed).float()
+        if head is None:
+            return linear(self.model.norm(hidden), self.lm_head_weight,
+                          packed=self.lm_head_packed).float()
+        # A bf16/fp16 model: final norm and lm_head in float32.
+        weight = self.lm_head_weight
+        if len(hidden) > SMALL_HEAD_ROWS and head.amx is not None:
+            return cpu_kernels.head_logits(hidden, self.model.norm.weight, self.cfg.rms_norm_eps,
+                                           head.amx, weight.shape[0])
+        x = rms_norm(hidden.float(), head.norm_weight, self.cfg.rms_norm_eps)
+        if (len(x) <= SMALL_HEAD_ROWS and weight.dtype == torch.bfloat16
+                and cpu_kernels.applies(weight)):
+            return cpu_kernels.small_linear(x, weight)
+        return linear(x, head.weight, packed=head.packed)
 
     def build_fp32_head(self, enable: bool, packed: bool) -> None:
         """Rebuild (or drop) the float32 copies of the final norm and lm_head weights.
@@ -212,6 +219,12 @@ class LlamaForCausalLM(nn.Module):
         bf16 logits (an ulp of a logit near 20 is 0.125)."""
         if not enable or self.lm_head_weight.dtype == torch.float32:
             self.fp32_head = None
+            return
+        norm, head = self.model.norm.weight.detach(), self.lm_head_weight.detach()
+        if (head.dtype == norm.dtype == torch.bfloat16 and head.shape[1] % 2 == 0
+                and cpu_kernels.applies(head) and cpu_kernels.head_amx()):
+            # No float32 copy: AMX multiplies the bf16 weight by an exact split (float32 products).
+            self.fp32_head = Fp32Head(norm.float(), None, None, cpu_kernels.head_pack(head))
             return
         weight = self.lm_head_weight.detach().float()
         pk = pack(weight) if packed else None
