@@ -26,6 +26,7 @@ import transformers
 
 from hotswap.engine import Engine
 from hotswap.engine.config import ModelConfig
+from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.models.fetch import ensure_model
 
 TOPICS = ["the ocean", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "music",
@@ -184,11 +185,13 @@ def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
 
 
 def weight_bytes(shapes: dict, dtype: str, fp32_head: bool) -> int:
-    """Bytes of matmul weights one decode step reads."""
+    """Bytes of matmul weights one batch-1 decode step reads (with the CPU kernels built, the
+    float32 head of a bf16 model reads the bf16 weights at 1 row: cpu_kernels.small_linear)."""
     size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    head = 4 if fp32_head and not cpu_kernels.available() else size
     total = 0
     for name, (k, n, count) in shapes.items():
-        total += k * n * count * (4 if name == "lm_head" and fp32_head else size)
+        total += k * n * count * (head if name == "lm_head" else size)
     return total
 
 
@@ -272,6 +275,13 @@ def main() -> None:
                 notes.append(f"{dt} {med[dt] / roof:.0%} of {roof:.0f}")
         cols = "".join(f"{med[dt]:>18.1f}" for dt in dtypes)
         print(f"{name:<9}{cols}{hf_med:>10.1f}  {'; '.join(notes)}", flush=True)
+        if args.repeats > 1:  # every run, and each repeat's own ratios (robust to slow periods)
+            runs = {dt: [r["tok_s"] for r in ours[dt]] for dt in dtypes} | {"HF": theirs}
+            print(f"{'':<9}runs: " + "; ".join(
+                f"{k} [{', '.join(f'{v:.0f}' for v in vals)}]" for k, vals in runs.items()))
+            if "bfloat16" in runs and "float32" in runs:
+                ratios = [b / f for b, f in zip(runs["bfloat16"], runs["float32"], strict=True)]
+                print(f"{'':<9}bf16/fp32 per repeat: {', '.join(f'{x:.2f}x' for x in ratios)}")
         r = ours[dtypes[0]][0]
         print(f"{'':<9}prefill computed / submitted {r['prefill_computed']} / "
               f"{r['prompt_submitted']} (trie-unique {unique_prefix_tokens(prompts)})")

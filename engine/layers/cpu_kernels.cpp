@@ -494,9 +494,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight) {
 // With h the bf16 hidden state, g the bf16 norm weight and s = 1/sqrt(mean(h^2) + eps):
 //   logits = (s * h * g) @ W.T = s * ((h * g) @ W.T)
 // h * g is a product of two bf16 values, exact in float32 with at most 16 significant bits, so
-// it splits exactly into hi + lo, two bf16 values; W is bf16 itself. The two bf16 passes
-// hi @ W.T + lo @ W.T then multiply exactly what a float32 matmul of the normed state and the
-// float32 copy of W multiplies, summed in float32 in another order, and the scale s comes last.
+// it splits exactly into hi + lo, two bf16 values; W is bf16 itself. In the two bf16 passes
+// hi @ W.T + lo @ W.T every product is exact and every sum float32, as in a float32 matmul of
+// the normed state by the float32 copy of W; only the scale s comes after the sums instead of
+// before (the float32 path rounds s * h * g first).
 // W is packed once (head_pack) into VNNI blocks of HEAD_BLOCK vocabulary rows.
 constexpr int64_t HEAD_BLOCK = 64;  // vocabulary rows per packed block (one brgemm N)
 constexpr int64_t HEAD_ROWS = 64;   // hidden rows per brgemm call (M)
