@@ -226,10 +226,9 @@ class LlamaForCausalLM(nn.Module):
             # No float32 copy: AMX multiplies the bf16 weight by an exact split (float32 products).
             self.fp32_head = Fp32Head(norm.float(), None, None, cpu_kernels.head_pack(head))
             return
-        weight = self.lm_head_weight.detach().float()
+        weight = head.float()
         pk = pack(weight) if packed else None
-        self.fp32_head = Fp32Head(self.model.norm.weight.detach().float(),
-                                  weight if pk is None else pk, pk)
+        self.fp32_head = Fp32Head(norm.float(), weight if pk is None else pk, pk)
 
     def pack_weights(self, enable: bool = True) -> None:
         """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py)."""
