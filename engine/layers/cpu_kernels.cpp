@@ -374,6 +374,15 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   return x;
 }
 
+// 1 / sqrt(mean(row^2) + eps) in float32: RMSNorm's scale of one row.
+template <typename T>
+inline float inv_rms(const T* row, int64_t h, double eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < h; ++j) ss += widen(row[j]) * widen(row[j]);
+  return 1.f / std::sqrt(ss / float(h) + float(eps));
+}
+
 // RMSNorm of each row of x [T, H] times weight [H] (same dtype): float32 arithmetic, one
 // rounding at the end, as F.rms_norm computes it in ~30 ops.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -392,10 +401,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     at::parallel_for(0, t, std::max<int64_t>(1, 32768 / h), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* row = xp + i * h;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t j = 0; j < h; ++j) ss += widen(row[j]) * widen(row[j]);
-        const float r = 1.f / std::sqrt(ss / float(h) + float(eps));
+        const float r = inv_rms(row, h, eps);
         scalar_t* o = op + i * h;
 #pragma omp simd
         for (int64_t j = 0; j < h; ++j) o[j] = narrow<scalar_t>(widen(row[j]) * r * widen(wp[j]));
@@ -576,10 +582,7 @@ at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, 
     at::BFloat16* lo = hi + rows * k;
     for (int64_t i = 0; i < rows; ++i) {
       const at::BFloat16* row = hp + (s0 + i) * k;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < k; ++j) ss += widen(row[j]) * widen(row[j]);
-      scales[i] = 1.f / std::sqrt(ss / float(k) + float(eps));
+      scales[i] = inv_rms(row, k, eps);
       for (int64_t j = 0; j < k; ++j) {
         const float p = widen(row[j]) * widen(gp[j]);  // exact: 8 x 8 significant bits
         const at::BFloat16 top = narrow<at::BFloat16>(p);
