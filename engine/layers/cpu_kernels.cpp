@@ -93,136 +93,32 @@ inline float dot(const float* a, const float* b, int64_t d) {
 
 constexpr int64_t KEY_BLOCK = 32;
 
-// a . b over D (a multiple of 16) and acc[0:D] += p * v[0:D] for the compile-time head sizes.
-// With AVX-512 the sum ends in a shuffle tree and the accumulator stays in registers; the
-// portable loops let the compiler sum the lanes in order, one at a time (measured: 40% of the
-// kernel's time).
-#if defined(__AVX512F__)
-template <int64_t D>
-inline float dot_fixed(const float* a, const float* b) {
-  __m512 s = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-  for (int64_t c = 16; c < D; c += 16)
-    s = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), s);
-  return _mm512_reduce_add_ps(s);
-}
+// The attention of one (row, kv head) pair: the `group` query heads that share kv head h attend
+// over the row's `len` keys, whose pool slots are `slots[0:len]`; `out` gets the group's
+// outputs [group, d]. `scores` has room for [group, len]; the portable version also uses qf
+// [group, d], rows [KEY_BLOCK, d] and acc [group, d].
+template <typename T>
+using AttendFn = void (*)(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
+                          int64_t len, int64_t h, int64_t hkv, int64_t group, int64_t d,
+                          float scale, T* out, float* qf, float* rows, float* scores, float* acc);
 
-// out[0:4] = a . rows[r, 0:D] for r < 4: four dot products summed in one shuffle tree.
-template <int64_t D>
-inline void dot4_fixed(const float* a, const float* rows, float* out) {
-  __m512 s[4];
-  for (int64_t r = 0; r < 4; ++r) {
-    s[r] = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(rows + r * D));
-    for (int64_t c = 16; c < D; c += 16)
-      s[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(rows + r * D + c), s[r]);
-  }
-  __m256 t[4];
-  for (int64_t r = 0; r < 4; ++r)
-    t[r] = _mm256_add_ps(_mm512_castps512_ps256(s[r]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[r]), 1)));
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
-#if defined(__AVX512BF16__)
-// out[r] = scale * (q . k[r]) for four bf16 key rows, with AVX512-BF16's pairwise products (exact
-// in float32) and float32 sums: a bf16 q and bf16 keys need no widening.
-template <int64_t D>
-inline void dot4_bf16(const at::BFloat16* q, const at::BFloat16* const* k, float scale,
-                      float* out) {
-  __m512 s[4];
-  for (int64_t r = 0; r < 4; ++r) {
-    s[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 32)
-      s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_loadu_si512(q + c),
-                              (__m512bh)_mm512_loadu_si512(k[r] + c));
-  }
-  __m256 t[4];
-  for (int64_t r = 0; r < 4; ++r)
-    t[r] = _mm256_add_ps(_mm512_castps512_ps256(s[r]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[r]), 1)));
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
-  _mm_storeu_ps(out, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
-                                _mm_set1_ps(scale)));
-}
-#endif
-
-// acc[0:D] += sum_j p[j] * rows[j, 0:D] for j < nb.
-template <int64_t D>
-inline void weighted_sum_fixed(const float* p, const float* rows, int64_t nb, float* acc) {
-  __m512 a[D / 16];
-  for (int64_t c = 0; c < D / 16; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t j = 0; j < nb; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int64_t c = 0; c < D / 16; ++c)
-      a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(rows + j * D + 16 * c), a[c]);
-  }
-  for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-}
-#else
-template <int64_t D>
-inline float dot_fixed(const float* a, const float* b) { return dot(a, b, D); }
-
-template <int64_t D>
-inline void dot4_fixed(const float* a, const float* rows, float* out) {
-  for (int64_t r = 0; r < 4; ++r) out[r] = dot(a, rows + r * D, D);
-}
-
-template <int64_t D>
-inline void weighted_sum_fixed(const float* p, const float* rows, int64_t nb, float* acc) {
-  for (int64_t j = 0; j < nb; ++j) {
+// Portable: keys, then values, widened KEY_BLOCK rows at a time into `rows`, every head run
+// over the block.
+template <typename T>
+void attend_portable(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
+                     int64_t len, int64_t h, int64_t hkv, int64_t group, int64_t d, float scale,
+                     T* out, float* qf, float* rows, float* scores, float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    load_row(q + g * d, qf + g * d, d);
 #pragma omp simd
-    for (int64_t i = 0; i < D; ++i) acc[i] += p[j] * rows[j * D + i];
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
   }
-}
-#endif
-
-// One (row, kv head) pair: the `group` query heads that share kv head h attend over the row's
-// `len` keys, whose pool slots are `slots[0:len]`. bf16 keys meet a bf16 q in AVX512-BF16
-// pairwise products where the CPU has them; otherwise keys, and always values, are widened
-// KEY_BLOCK rows at a time into `rows` [KEY_BLOCK, D], then every head runs over the block with
-// its accumulator in registers (D is a compile-time constant for the common head sizes, so the
-// loops unroll). Scores go to `scores` [group, len].
-template <int64_t D, typename T>
-void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
-                int64_t h, int64_t hkv, int64_t group, int64_t d, float scale, T* out,
-                float* qf, float* rows, float* scores, float* acc) {
-  if constexpr (D > 0) d = D;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0) {
-    // Four keys per call; the last call of a row repeats its last key where fewer are left.
-    for (int64_t g = 0; g < group; ++g) {
-      for (int64_t j = 0; j < len; j += 4) {
-        const at::BFloat16* k4[4];
-        for (int64_t r = 0; r < 4; ++r)
-          k4[r] = k_buf + (slots[std::min(j + r, len - 1)] * hkv + h) * D;
-        float s4[4];
-        dot4_bf16<D>(q + g * D, k4, scale, s4);
-        std::copy(s4, s4 + std::min<int64_t>(4, len - j), scores + g * len + j);
-      }
-    }
-  } else
-#endif
-  {
-    for (int64_t g = 0; g < group; ++g) {
-      load_row(q + g * d, qf + g * d, d);
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
-    }
-    for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
-      const int64_t nb = std::min(KEY_BLOCK, len - j0);
-      for (int64_t j = 0; j < nb; ++j)
-        load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores + g * len + j0;
-        int64_t j = 0;
-        if constexpr (D > 0) {
-          for (; j + 4 <= nb; j += 4) dot4_fixed<D>(qf + g * d, rows + j * d, sg + j);
-          for (; j < nb; ++j) sg[j] = dot_fixed<D>(qf + g * d, rows + j * d);
-        } else {
-          for (; j < nb; ++j) sg[j] = dot(qf + g * d, rows + j * d, d);
-        }
-      }
-    }
+  for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
+    const int64_t nb = std::min(KEY_BLOCK, len - j0);
+    for (int64_t j = 0; j < nb; ++j)
+      load_row(k_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < nb; ++j) scores[g * len + j0 + j] = dot(qf + g * d, rows + j * d, d);
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
@@ -243,22 +139,189 @@ void attend_one(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots
     const int64_t nb = std::min(KEY_BLOCK, len - j0);
     for (int64_t j = 0; j < nb; ++j)
       load_row(v_buf + (slots[j0 + j] * hkv + h) * d, rows + j * d, d);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = scores + g * len + j0;
-      if constexpr (D > 0) {
-        weighted_sum_fixed<D>(p, rows, nb, acc + g * d);
-      } else {
-        for (int64_t j = 0; j < nb; ++j) {
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < nb; ++j) {
+        const float p = scores[g * len + j0 + j];
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p[j] * rows[j * d + i];
-        }
+        for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p * rows[j * d + i];
       }
-    }
   }
   for (int64_t g = 0; g < group; ++g) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) out[g * d + i] = narrow<T>(acc[g * d + i]);
   }
+}
+
+#if defined(__AVX512F__)
+// exp of 16 lanes by fast_exp's steps.
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                       _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// s[0:len] -> exp(s - max(s)) in place; returns their sum.
+inline float exp_weights(float* s, int64_t len) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  const __mmask16 tail = __mmask16((1u << (len - j)) - 1);
+  m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + j));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= len; j += 16) {
+    const __m512 w = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
+    _mm512_storeu_ps(s + j, w);
+    sum = _mm512_add_ps(sum, w);
+  }
+  const __m512 w = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mx));
+  _mm512_mask_storeu_ps(s + j, tail, w);
+  return _mm512_reduce_add_ps(_mm512_mask_add_ps(sum, tail, sum, w));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline void store32(float* o, __m512 lo, __m512 hi) {
+  _mm512_storeu_ps(o, lo);
+  _mm512_storeu_ps(o + 16, hi);
+}
+
+// The sums of s[r]'s 16 lanes for r < 4, times scale.
+inline __m128 sum_lanes4(const __m512* s, float scale) {
+  __m256 t[4];
+  for (int64_t r = 0; r < 4; ++r)
+    t[r] = _mm256_add_ps(_mm512_castps512_ps256(s[r]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[r]), 1)));
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  return _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                    _mm_set1_ps(scale));
+}
+
+// scale * (q . k[r]) for four key rows: float32 products and sums; for bf16 AVX512-BF16's
+// pairwise products (exact in float32), so neither side is widened.
+template <int64_t D>
+inline __m128 key_scores4(const float* q, const float* const* k, float scale) {
+  __m512 s[4];
+  for (int64_t r = 0; r < 4; ++r) {
+    s[r] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k[r]));
+    for (int64_t c = 16; c < D; c += 16)
+      s[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k[r] + c), s[r]);
+  }
+  return sum_lanes4(s, scale);
+}
+
+#if defined(__AVX512BF16__)
+inline void store32(at::BFloat16* o, __m512 lo, __m512 hi) {
+  _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+template <int64_t D>
+inline __m128 key_scores4(const at::BFloat16* q, const at::BFloat16* const* k, float scale) {
+  __m512 s[4];
+  for (int64_t r = 0; r < 4; ++r) {
+    s[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32)
+      s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_loadu_si512(q + c),
+                              (__m512bh)_mm512_loadu_si512(k[r] + c));
+  }
+  return sum_lanes4(s, scale);
+}
+#endif
+
+// out[g] = (sum_j w[g, j] * v_j) / sums[g] for G query heads (w: their [G, len] scores):
+// each value row read and widened once for all G heads, whose G * D / 16 accumulators stay in
+// registers.
+template <int64_t D, int64_t G, typename T>
+inline void weigh_values(const float* w, int64_t len, const T* v_buf, const int64_t* slots,
+                         int64_t hkv, int64_t h, const float* sums, T* out) {
+  constexpr int64_t C = D / 16;
+  __m512 acc[G][C];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const T* v = v_buf + (slots[j] * hkv + h) * D;
+    __m512 vf[C];
+    for (int64_t c = 0; c < C; ++c) vf[c] = load16(v + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(w[g * len + j]);
+      for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
+    for (int64_t c = 0; c < C; c += 2)
+      store32(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], inv),
+              _mm512_mul_ps(acc[g][c + 1], inv));
+  }
+}
+
+// AVX-512 (bf16: AVX512-BF16) for head sizes D of 64 and 128: all `group` heads' scores from
+// each key loaded once, four keys per reduction tree; a vectorised softmax; then the values
+// weighed for up to 256 / D heads at a time. Measured against attend_portable, bf16, 64 rows x
+// 74 keys x 9 heads (3 kv), 30 layers, 2 threads: 10 against 14 ms with the keys in DRAM, 7
+// against 11 ms in cache.
+template <int64_t D, typename T>
+void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
+                   int64_t len, int64_t h, int64_t hkv, int64_t group, int64_t, float scale,
+                   T* out, float*, float*, float* scores, float*) {
+  for (int64_t j = 0; j < len; j += 4) {
+    const T* k[4];  // the last call of a row repeats its last key where fewer are left
+    for (int64_t r = 0; r < 4; ++r) k[r] = k_buf + (slots[std::min(j + r, len - 1)] * hkv + h) * D;
+    const __mmask8 keep = __mmask8((1u << std::min<int64_t>(4, len - j)) - 1);
+    for (int64_t g = 0; g < group; ++g)
+      _mm_mask_storeu_ps(scores + g * len + j, keep, key_scores4<D>(q + g * D, k, scale));
+  }
+  constexpr int64_t GMAX = 256 / D;
+  float sums[GMAX];
+  for (int64_t g0 = 0; g0 < group; g0 += GMAX) {
+    const int64_t gc = std::min(GMAX, group - g0);
+    for (int64_t g = 0; g < gc; ++g) sums[g] = exp_weights(scores + (g0 + g) * len, len);
+    const float* w = scores + g0 * len;
+    T* o = out + g0 * D;
+    if constexpr (GMAX == 4) {
+      switch (gc) {
+        case 1: weigh_values<D, 1>(w, len, v_buf, slots, hkv, h, sums, o); break;
+        case 2: weigh_values<D, 2>(w, len, v_buf, slots, hkv, h, sums, o); break;
+        case 3: weigh_values<D, 3>(w, len, v_buf, slots, hkv, h, sums, o); break;
+        default: weigh_values<D, 4>(w, len, v_buf, slots, hkv, h, sums, o); break;
+      }
+    } else if (gc == 1) {
+      weigh_values<D, 1>(w, len, v_buf, slots, hkv, h, sums, o);
+    } else {
+      weigh_values<D, 2>(w, len, v_buf, slots, hkv, h, sums, o);
+    }
+  }
+}
+#endif
+
+template <typename T>
+AttendFn<T> attend_for(int64_t d) {
+#if defined(__AVX512F__)
+#if !defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, float>)
+#endif
+  {
+    if (d == 64) return attend_avx512<64, T>;
+    if (d == 128) return attend_avx512<128, T>;
+  }
+#endif
+  return attend_portable<T>;
 }
 
 // Asks for the K and V rows of heads [h0, h0 + heads) of a row's slots before they are read: a
@@ -322,8 +385,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf(group * d), block(KEY_BLOCK * d), scores(group * max_len),
           acc(group * d);
-      const auto one = d == 64 ? attend_one<64, scalar_t>
-                       : d == 128 ? attend_one<128, scalar_t> : attend_one<0, scalar_t>;
+      const AttendFn<scalar_t> one = attend_for<scalar_t>(d);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t i = t / splits, h0 = t % splits * heads;
         const int64_t* slots = table + rows[i] * width;
