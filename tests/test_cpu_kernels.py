@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from test_model_runner import Seq, run_step
 
+from hotswap.engine.attention.torch_backend import KERNEL_EXTEND_MAX_KEYS
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.executor import sampling
 from hotswap.engine.executor.model_runner import ModelRunner
@@ -228,8 +229,9 @@ def _runner(path: str, dtype: str) -> ModelRunner:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dtype):
-    """Prefill, a mixed step and decode-only steps (the fused layer; Qwen3's q/k norms keep the
-    layer-by-layer path) against the same model with the kernels off: float32 within float32
+    """A prefill of short prompts and decode-only steps (the fused layer; Qwen3's q/k norms keep
+    the layer-by-layer path), steps with an extend row past KERNEL_EXTEND_MAX_KEYS (padded SDPA
+    beside the kernel) against the same model with the kernels off: float32 within float32
     rounding, bf16 within bf16 rounding of the logits."""
     calls = []
     decode_layer = cpu_kernels.decode_layer
@@ -239,16 +241,18 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     plain = _runner(tiny_model_path, dtype)
     monkeypatch.setattr(cpu_kernels, "_loaded", True)
-    tokens = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((20, 50, 100))]
+    assert KERNEL_EXTEND_MAX_KEYS < 150
+    tokens = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((20, 50, 200))]
     seqs = {r: [Seq(r, t) for t in tokens] for r in (fused, plain)}
-    plans = [[(0, 3), (1, 40), (2, 60)], [(0, 1), (2, 30)]] + [[(0, 1), (1, 1), (2, 1)]] * 3
+    plans = ([[(0, 3), (1, 40)], [(2, 150), (0, 1)], [(1, 1), (2, 30)]]
+             + [[(0, 1), (1, 1), (2, 1)]] * 3)
     tol = 1e-4 if dtype == "float32" else 0.1
     for plan in plans:
         a, b = ([run_step(r, [(seqs[r][i], n) for i, n in plan]) for r in (fused, plain)])
         for x, y in zip(a, b):
             assert (x - y).abs().max().item() < tol
-    # three decode-only steps, three layers each
-    assert len(calls) == (0 if fused.model_config.qk_norm else 3 * 3)
+    # the short prefill and three decode-only steps, three layers each
+    assert len(calls) == (0 if fused.model_config.qk_norm else 4 * 3)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):

@@ -12,11 +12,12 @@ from hotswap.engine.kvcache.memory import KVPool
 
 
 class FusedDecodeInputs(NamedTuple):
-    """A decode-only step's attention inputs for layers/cpu_kernels.decode_layer."""
+    """The attention inputs of a step whose every token is a kernel query (decode rows, short
+    extend rows) for layers/cpu_kernels.decode_layer."""
 
     k_buffers: list[torch.Tensor]  # per layer [slots, Hkv, D]
     v_buffers: list[torch.Tensor]
-    out_cache_loc: torch.Tensor  # [n] slot of each row's new token
+    out_cache_loc: torch.Tensor  # [n] slot of each query token
     req_to_token: torch.Tensor
     req_idx: torch.Tensor  # [n] int64
     seq_lens: torch.Tensor  # [n] int64, the new token included
