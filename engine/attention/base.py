@@ -20,7 +20,7 @@ class FusedDecodeInputs(NamedTuple):
     out_cache_loc: torch.Tensor  # [n] slot of each query token
     req_to_token: torch.Tensor
     req_idx: torch.Tensor  # [n] int64
-    seq_lens: torch.Tensor  # [n] int64, the new token included
+    seq_lens: torch.Tensor  # [n] int64 keys each query sees, its own token included
     scale: float
 
 

@@ -95,10 +95,11 @@ class TorchAttnBackend(AttentionBackend):
         if self.fused_decode:  # short extend rows too, each token a query of the kernel
             is_decode |= prefix + ext <= KERNEL_EXTEND_MAX_KEYS
         decode_rows, extend_rows = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
-        fb.attn_metadata = _Metadata(
-            self._build_decode(fb, decode_rows, prefix, ext, starts) if decode_rows.numel() else None,
-            [self._build_extend(fb, rows, prefix, ext, starts)
-             for rows in _padding_groups(extend_rows, ext, prefix + ext)])
+        decode = (self._build_decode(fb, decode_rows, prefix, ext, starts)
+                  if decode_rows.numel() else None)
+        fb.attn_metadata = _Metadata(decode, [
+            self._build_extend(fb, rows, prefix, ext, starts)
+            for rows in _padding_groups(extend_rows, ext, prefix + ext)])
 
     def _table(self, fb: ForwardBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
         return self.req_to_token[fb.req_pool_indices[rows.to(fb.input_ids.device)], :width]
