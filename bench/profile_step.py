@@ -26,7 +26,7 @@ ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::scaled_dot_product_attention", "hotswap::decode_attention"}
 KIND_OF = {"aten::index_select": "kv gather", "aten::index_copy_": "kv store",
-           "aten::index_copy": "kv store"}
+           "aten::index_copy": "kv store", "hotswap::store_kv": "kv store"}
 SCOPES = ("hs::step", "hs::forward", "hs::lm_head", "hs::sample")
 
 

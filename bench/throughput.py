@@ -160,6 +160,18 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
                 samples.append(time.perf_counter() - start)
             times[name] = statistics.median(samples[3:])
         out[str(dtype).removeprefix("torch.")] = times
+    if cpu_kernels.available() and cpu_kernels.head_amx():
+        # The float32 head of a bf16 engine as the engine runs it here: AMX matmuls of an exact
+        # split (cpu_kernels.head_logits), not a float32 matmul.
+        k, n, _ = shapes["lm_head"]
+        hidden, norm = torch.randn(rows, k).bfloat16(), torch.ones(k, dtype=torch.bfloat16)
+        packed = cpu_kernels.head_pack((torch.randn(n, k) * 0.05).bfloat16())
+        samples = []
+        for _ in range(repeats + 3):
+            start = time.perf_counter()
+            cpu_kernels.head_logits(hidden, norm, 1e-5, packed, n)
+            samples.append(time.perf_counter() - start)
+        out["bfloat16"]["lm_head fp32"] = statistics.median(samples[3:])
     return out
 
 
@@ -179,8 +191,10 @@ def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
     """Tokens/s if a decode step of `rows` rows did nothing but its matmuls at measured speed."""
     step = 0.0
     for name, (_, _, count) in shapes.items():
-        head32 = name == "lm_head" and fp32_head
-        step += count * times["float32" if head32 else dtype][name]
+        if name == "lm_head" and fp32_head:
+            step += times[dtype].get("lm_head fp32", times["float32"]["lm_head"])
+        else:
+            step += count * times[dtype][name]
     return rows / step
 
 
@@ -200,6 +214,9 @@ def print_matmul_rates(shapes: dict, times: dict[str, dict[str, float]], bandwid
     for dtype, per in times.items():
         rates = "  ".join(f"{name} {2 * 64 * k * n / per[name] / 1e9:.0f}"
                           for name, (k, n, _) in shapes.items())
+        if "lm_head fp32" in per:  # float32 products, counted once
+            k, n, _ = shapes["lm_head"]
+            rates += f"  lm_head fp32 (AMX split) {2 * 64 * k * n / per['lm_head fp32'] / 1e9:.0f}"
         print(f"  {dtype:<9}{rates}")
     print(f"machine: read bandwidth {bandwidth:.1f} GB/s (sum over a 0.5 GiB bf16 buffer)")
 

@@ -255,6 +255,31 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
     assert len(calls) == (0 if fused.model_config.qk_norm else 4 * 3)
 
 
+def test_the_fused_layer_shows_its_parts_to_the_profiler(tiny_model_path):
+    """bench/profile_step.py splits a decode step by op name: inside the fused layer, the
+    attention, KV store, norms, rotary and activation run under their own names, once a layer
+    each (twice for the norm), beside the layer's four matmuls."""
+    runner = _runner(tiny_model_path, "float32")
+    if runner.model_config.qk_norm:
+        pytest.skip("Qwen3's q/k norms keep the layer-by-layer path")
+    seqs = [Seq(runner, [(5 * r + j) % 256 for j in range(10)]) for r in range(2)]
+    run_step(runner, [(s, 9) for s in seqs])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_step(runner, [(s, 1) for s in seqs])
+    events = prof.events()
+    fused = [e.time_range for e in events if e.name == "hotswap::decode_layer"]
+    counts = {}
+    for e in events:
+        if any(r.start <= e.time_range.start and e.time_range.end <= r.end for r in fused):
+            counts[e.name] = counts.get(e.name, 0) + 1
+    layers = runner.model_config.num_layers
+    assert len(fused) == layers
+    for name, per_layer in (("hotswap::decode_attention", 1), ("hotswap::store_kv", 1),
+                            ("hotswap::rotary_", 1), ("hotswap::silu_and_mul", 1),
+                            ("hotswap::rms_norm", 2)):
+        assert counts.get(name) == per_layer * layers, (name, counts.get(name))
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     """A build killed midway leaves torch's lock file behind; later loads would wait forever."""
     lock = tmp_path / "lock"

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -836,6 +837,14 @@ void store_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& k_buf,
 // models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
 // + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
 // would multiply (the packed copy where there is one).
+// f() inside a profiler scope called `name`: torch.profiler sees the parts of decode_layer,
+// whose kernels are called directly rather than through the dispatcher.
+template <typename F>
+auto scoped(const char* name, F f) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  return f();
+}
+
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w,
                         const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
                         const at::Tensor& ln2, const at::Tensor& gate_up_w,
@@ -846,14 +855,22 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
                         double scale) {
   const int64_t hkv = k_buf.size(1), d = k_buf.size(2);
   const int64_t q_size = num_heads * d, kv_size = hkv * d;
-  auto qkv = linear(rms_norm(x, ln1, eps), qkv_w, qkv_b, nullptr, onednn);
-  rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
-  store_kv(qkv, q_size, k_buf, v_buf, loc);
-  auto o = decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
+  // The parts other than the matmuls (aten ops, seen already) under their ops' names.
+  auto qkv = linear(scoped("hotswap::rms_norm", [&] { return rms_norm(x, ln1, eps); }), qkv_w,
+                    qkv_b, nullptr, onednn);
+  scoped("hotswap::rotary_", [&] {
+    return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
+  });
+  scoped("hotswap::store_kv", [&] { store_kv(qkv, q_size, k_buf, v_buf, loc); });
+  auto o = scoped("hotswap::decode_attention", [&] {
+    return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
                             seq_lens, scale);
+  });
   auto h = linear(o, o_w, c10::nullopt, &x, onednn);
-  auto gate_up = linear(rms_norm(h, ln2, eps), gate_up_w, c10::nullopt, nullptr, onednn);
-  return linear(silu_and_mul(gate_up), down_w, c10::nullopt, &h, onednn);
+  auto gate_up = linear(scoped("hotswap::rms_norm", [&] { return rms_norm(h, ln2, eps); }),
+                        gate_up_w, c10::nullopt, nullptr, onednn);
+  gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
+  return linear(gate_up, down_w, c10::nullopt, &h, onednn);
 }
 
 }  // namespace
