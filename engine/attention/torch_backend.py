@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.engine.attention.base import AttentionBackend, FusedDecodeInputs
-from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.core.forward_batch import ForwardBatch, flat_ranges
 from hotswap.engine.layers import cpu_kernels
 
 # A shared decode prefix shorter than this is cheaper to gather per row than to split off.
@@ -110,10 +110,8 @@ class TorchAttnBackend(AttentionBackend):
         if self.fused_decode:
             # A query per token: token j of a row sees its prefix and the row's tokens <= j.
             counts = ext[rows]
-            first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-            offset = torch.arange(int(counts.sum())) - first
-            tokens = torch.repeat_interleave(starts[rows], counts) + offset
-            seq = torch.repeat_interleave(prefix[rows], counts) + offset + 1
+            tokens = flat_ranges(starts[rows], counts)
+            seq = flat_ranges(prefix[rows] + 1, counts)
             req_idx = torch.repeat_interleave(fb.req_pool_indices[rows.to(device)],
                                               counts.to(device))
             whole = len(tokens) == fb.num_tokens  # then in order: rows are sorted, tokens too

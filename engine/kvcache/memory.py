@@ -142,3 +142,8 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start: start + slots.numel()] = slots.to(self.req_to_token.device)
+
+    def write_cells(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] for every i, in one op."""
+        device = self.req_to_token.device
+        self.req_to_token[rows.to(device), cols.to(device)] = slots.to(device)

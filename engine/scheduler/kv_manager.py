@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hotswap.engine.core.forward_batch import flat_ranges
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import Req
 from hotswap.engine.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
@@ -126,12 +127,18 @@ class KVManager:
         need = sum(lens) + self.page_size * len(reqs)
         if self.allocator.available_size() < need:
             self.tree.evict(need - self.allocator.available_size())
-        last = [int(r.kv_slots[-1]) if r.kv_len else -1 for r in reqs]
-        slots = self.allocator.alloc_extend([r.kv_len for r in reqs], last, lens)
+        starts = [r.kv_len for r in reqs]
+        last = ([int(r.kv_slots[-1]) if r.kv_len else -1 for r in reqs] if self.page_size > 1
+                else [-1] * len(reqs))  # only a partly used last page needs it
+        slots = self.allocator.alloc_extend(starts, last, lens)
         if slots is None:
             return None
+        counts = torch.tensor(lens, dtype=torch.int64)
+        rows = torch.repeat_interleave(
+            torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), counts)
+        self.req_to_token.write_cells(
+            rows, flat_ranges(torch.tensor(starts, dtype=torch.int64), counts), slots)
         for req, part in zip(reqs, slots.split(lens)):
-            self.req_to_token.write(req.req_pool_idx, req.kv_len, part)
             req.kv_slots = torch.cat((req.kv_slots, part))
         return slots
 
