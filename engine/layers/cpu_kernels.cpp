@@ -833,10 +833,6 @@ void store_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& k_buf,
   }
 }
 
-// One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
-// models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
-// + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
-// would multiply (the packed copy where there is one).
 // f() inside a profiler scope called `name`: torch.profiler sees the parts of decode_layer,
 // whose kernels are called directly rather than through the dispatcher.
 template <typename F>
@@ -845,6 +841,10 @@ auto scoped(const char* name, F f) {
   return f();
 }
 
+// One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
+// models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
+// + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
+// would multiply (the packed copy where there is one).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w,
                         const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
                         const at::Tensor& ln2, const at::Tensor& gate_up_w,
