@@ -154,10 +154,23 @@ def test_rms_norm_matches_reference(dtype):
 
 
 def test_small_linear_is_the_float32_product_of_bf16_weights():
+    """float32 x: float32 out. bf16 x with a bias and a residual: the float32 sum of all three
+    rounded once. Weight rows not a multiple of the 4-row tile, more rows than the prefetch
+    reaches ahead; each row as it is alone."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(1001, 576, generator=g).bfloat16()  # rows not a multiple of the 4-row tile
+    w = torch.randn(1001, 576, generator=g).bfloat16()
     x = torch.randn(2, 576, generator=g)
     close(cpu_kernels.small_linear(x, w), x.double() @ w.double().T, torch.float32)
+    xb, bias, res = (t.bfloat16() for t in (x, torch.randn(1001, generator=g),
+                                            torch.randn(2, 1001, generator=g)))
+    got = cpu_kernels.small_linear(xb, w, bias, res)
+    want = xb.double() @ w.double().T + bias.double() + res.double()
+    assert got.dtype == torch.bfloat16
+    close(got, want, torch.bfloat16)
+    alone = cpu_kernels.small_linear(xb[1:], w, bias, res[1:])
+    assert torch.equal(alone[0], got[1])
+    with pytest.raises(RuntimeError, match="residual must be"):
+        cpu_kernels.small_linear(xb, w, bias, res.float())
 
 
 def test_sample_rows_draws_what_the_torch_ops_draw():
@@ -231,8 +244,8 @@ def _runner(path: str, dtype: str) -> ModelRunner:
 def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dtype):
     """A prefill of short prompts and decode-only steps (the fused layer; Qwen3's q/k norms keep
     the layer-by-layer path), steps with an extend row past KERNEL_EXTEND_MAX_KEYS (padded SDPA
-    beside the kernel) against the same model with the kernels off: float32 within float32
-    rounding, bf16 within bf16 rounding of the logits."""
+    beside the kernel) and a decode row alone (bf16: small_linear) against the same model with
+    the kernels off: float32 within float32 rounding, bf16 within bf16 rounding of the logits."""
     calls = []
     decode_layer = cpu_kernels.decode_layer
     monkeypatch.setattr(cpu_kernels, "decode_layer", lambda *a: calls.append(1) or
@@ -245,14 +258,14 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
     tokens = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((20, 50, 200))]
     seqs = {r: [Seq(r, t) for t in tokens] for r in (fused, plain)}
     plans = ([[(0, 3), (1, 40)], [(2, 150), (0, 1)], [(1, 1), (2, 30)]]
-             + [[(0, 1), (1, 1), (2, 1)]] * 3)
+             + [[(0, 1), (1, 1), (2, 1)]] * 3 + [[(1, 1)]])  # the last: bf16's small_linear
     tol = 1e-4 if dtype == "float32" else 0.1
     for plan in plans:
         a, b = ([run_step(r, [(seqs[r][i], n) for i, n in plan]) for r in (fused, plain)])
         for x, y in zip(a, b):
             assert (x - y).abs().max().item() < tol
-    # the short prefill and three decode-only steps, three layers each
-    assert len(calls) == (0 if fused.model_config.qk_norm else 4 * 3)
+    # the short prefill and four decode-only steps, three layers each
+    assert len(calls) == (0 if fused.model_config.qk_norm else 5 * 3)
 
 
 def test_the_fused_layer_shows_its_parts_to_the_profiler(tiny_model_path):

@@ -502,10 +502,17 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// out [m, n] = x [m, k] (float32) @ w [n, k] (bfloat16).T in float32: the float32 lm_head of a
-// bf16 model at decode batch 1, reading the bf16 weights (half the bytes of their float32
-// copy; the products are the same, the weights being exactly representable). Every output is
-// one 16-lane float32 dot product; four weight rows share each load of x.
+// out [m, n] = x [m, k] @ w [n, k].T (+ bias) (+ residual) for a few rows m, with w bfloat16 as
+// it lies (row-major) and x float32 or bfloat16, out in x's dtype: float32 products (exact: a
+// bf16 weight times a float32 or bf16 x) and float32 sums, a bf16 out rounded once. What a
+// decode at batch 1 multiplies: the float32 lm_head of a bf16 model (half the bytes of its
+// float32 copy, the same products) and every projection of a bf16 model. Every output is one
+// 16-lane float32 dot product; four weight rows share each load of x, and each group of four
+// asks for the group SMALL_PREFETCH_ROWS rows ahead: without that the hardware prefetcher kept
+// SmolLM2's 30 layers and head at 9.8 GB/s, with it 14.9 GB/s (a plain sum over a large buffer:
+// 13-15 GB/s; oneDNN's bf16 matmul of one row: 9.3 GB/s; Xeon, 2 threads, one process).
+constexpr int64_t SMALL_PREFETCH_ROWS = 8;
+
 void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_t m, int64_t k,
                        int64_t n0, int64_t n1, int64_t n) {
   constexpr int64_t R = 4;
@@ -515,6 +522,11 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
     const at::BFloat16* w1 = w0 + k;
     const at::BFloat16* w2 = w1 + k;
     const at::BFloat16* w3 = w2 + k;
+    if (r0 + SMALL_PREFETCH_ROWS + R <= n1) {
+      const char* ahead = reinterpret_cast<const char*>(w0 + SMALL_PREFETCH_ROWS * k);
+      for (int64_t b = 0; b < R * k * int64_t(sizeof(at::BFloat16)); b += 64)
+        __builtin_prefetch(ahead + b);
+    }
     for (int64_t i = 0; i < m; ++i) {
       const float* xv = x + i * k;
       float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -542,19 +554,43 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
   }
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "x [m, k] and weight [n, k] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous(), "x must be float32, weight contiguous bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.layout() == at::kStrided &&
+                  weight.is_contiguous(), "weight must be a dense, contiguous bfloat16 tensor");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  auto xc = x.contiguous();
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(!bias || (bias->numel() == n && bias->scalar_type() == dtype),
+              "bias must be [n] of x's dtype");
+  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == m &&
+                            residual->size(1) == n && residual->scalar_type() == dtype),
+              "residual must be [m, n] of x's dtype");
   auto out = at::empty({m, n}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    small_linear_rows(xp, wp, op, m, k, n0, n1, n);
+  dispatch(dtype, "small_linear", [&](auto zero) {
+    using T = decltype(zero);
+    auto xc = x.contiguous();
+    const T* xp = xc.data_ptr<T>();
+    std::vector<float> xf(m * k), acc(m * n);
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = widen(xp[i]);
+    at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+    at::Tensor rc = residual ? residual->contiguous() : at::Tensor();
+    const T* bp = bias ? bc.data_ptr<T>() : nullptr;
+    const T* rp = residual ? rc.data_ptr<T>() : nullptr;
+    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+      small_linear_rows(xf.data(), wp, acc.data(), m, k, n0, n1, n);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* a = acc.data() + i * n;
+        const T* r = rp ? rp + i * n : nullptr;
+        T* o = op + i * n;
+        for (int64_t j = n0; j < n1; ++j)
+          o[j] = narrow<T>(a[j] + (bp ? widen(bp[j]) : 0.f) + (r ? widen(r[j]) : 0.f));
+      }
+    });
   });
   return out;
 }
@@ -785,12 +821,17 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& x,
   return {tokens, lse};
 }
 
-// x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it:
-// oneDNN's matmul (w packed or plain) with the residual add as its post-op where `onednn`,
-// else at::linear then the add.
+// How linear() multiplies; layers/linear.py's ATEN, ONEDNN and SMALL, which pick it.
+constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2;
+
+// x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it on
+// `path`: oneDNN's matmul (w packed or plain) with the residual add as its post-op, the
+// matrix-vector kernel above (w plain bf16, a few rows), or at::linear then the add.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
-                  const at::Tensor* residual, bool onednn) {
-  if (!onednn) {
+                  const at::Tensor* residual, int64_t path) {
+  if (path == PATH_SMALL)
+    return small_linear(x, w, b, residual ? c10::optional<at::Tensor>(*residual) : c10::nullopt);
+  if (path != PATH_ONEDNN) {
     auto out = at::linear(x, w, b);
     return residual ? out.add_(*residual) : out;
   }
@@ -844,11 +885,11 @@ auto scoped(const char* name, F f) {
 // One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
 // models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
 // + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
-// would multiply (the packed copy where there is one).
+// multiplies on `path` (the packed copy where there is one, except on PATH_SMALL).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w,
                         const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
                         const at::Tensor& ln2, const at::Tensor& gate_up_w,
-                        const at::Tensor& down_w, double eps, bool onednn, const at::Tensor& cos,
+                        const at::Tensor& down_w, double eps, int64_t path, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
                         const at::Tensor& loc, const at::Tensor& req_to_token,
                         const at::Tensor& req_idx, const at::Tensor& seq_lens, int64_t num_heads,
@@ -857,7 +898,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   const int64_t q_size = num_heads * d, kv_size = hkv * d;
   // The parts other than the matmuls (aten ops, seen already) under their ops' names.
   auto qkv = linear(scoped("hotswap::rms_norm", [&] { return rms_norm(x, ln1, eps); }), qkv_w,
-                    qkv_b, nullptr, onednn);
+                    qkv_b, nullptr, path);
   scoped("hotswap::rotary_", [&] {
     return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
   });
@@ -866,11 +907,11 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
     return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
                             seq_lens, scale);
   });
-  auto h = linear(o, o_w, c10::nullopt, &x, onednn);
+  auto h = linear(o, o_w, c10::nullopt, &x, path);
   auto gate_up = linear(scoped("hotswap::rms_norm", [&] { return rms_norm(h, ln2, eps); }),
-                        gate_up_w, c10::nullopt, nullptr, onednn);
+                        gate_up_w, c10::nullopt, nullptr, path);
   gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
-  return linear(gate_up, down_w, c10::nullopt, &h, onednn);
+  return linear(gate_up, down_w, c10::nullopt, &h, path);
 }
 
 }  // namespace
@@ -881,14 +922,14 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("sample_rows(Tensor x, Tensor? u) -> (Tensor, Tensor)");
   m.def("head_amx() -> bool");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
         "-> Tensor");
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor ln2, "
-        "Tensor gate_up_w, Tensor down_w, float eps, bool onednn, Tensor cos, Tensor sin, "
+        "Tensor gate_up_w, Tensor down_w, float eps, int path, Tensor cos, Tensor sin, "
         "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor req_to_token, Tensor req_idx, "
         "Tensor seq_lens, int num_heads, float scale) -> Tensor");
 }

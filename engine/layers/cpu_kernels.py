@@ -113,9 +113,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.hotswap.silu_and_mul(x)
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [m, k] float32 @ weight.T with weight [n, k] bfloat16, in float32 (a few rows m)."""
-    return torch.ops.hotswap.small_linear(x, weight)
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight.T (+ bias) (+ residual) for a few rows m: weight [n, k] bfloat16 as it
+    lies, x float32 or bfloat16, the result in x's dtype (float32 sums, rounded once)."""
+    return torch.ops.hotswap.small_linear(x, weight, bias, residual)
 
 
 def sample_rows(x: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

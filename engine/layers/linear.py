@@ -10,6 +10,12 @@ A weight can also be packed: a copy reordered once into oneDNN's blocked layout,
 matmul then reads without converting it on every call (37 ms instead of 43 ms for the 30
 layers above, 8.2 ms instead of 10 ms for the lm_head). A pack is a cache of its weight; the
 ModelRunner rebuilds packs whenever the weights change and never uses a stale one.
+
+A bf16 decode row alone (batch 1, where a step only streams the weights) takes
+cpu_kernels.small_linear instead, a matrix-vector kernel over the plain bf16 weights that asks
+for them ahead of use: SmolLM2's 30 layers read at 14.9 against oneDNN's 9.3 GB/s (Xeon, 2
+threads). Its float32 sums run in another order than oneDNN's, so a bf16 row's last bits
+differ between a step of its own and a shared one (deterministic=True runs every row alone).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hotswap.engine.layers import cpu_kernels
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it.
 PACK_ROWS_HINT = 64
@@ -59,17 +67,38 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
+# How linear() multiplies (cpu_kernels.decode_layer takes the same codes).
+ATEN, ONEDNN, SMALL = 0, 1, 2
+SMALL_ROWS = 1  # bf16 rows that take cpu_kernels.small_linear
+
+
+def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> int:
+    """SMALL for a bf16 x of at most SMALL_ROWS rows, a plain bf16 weight (bias, residual
+    bf16 too) on CPU with the kernels built, else ONEDNN where oneDNN runs x's dtype, else
+    ATEN."""
+    if (x.dim() == 2 and len(x) <= SMALL_ROWS and x.dtype == weight.dtype == torch.bfloat16
+            and weight.layout == torch.strided and weight.is_contiguous()
+            and all(t is None or t.dtype == x.dtype for t in (bias, residual))
+            and cpu_kernels.applies(x)):
+        return SMALL
+    return ONEDNN if uses_onednn(x) and x.dim() == 2 else ATEN
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, residual: torch.Tensor | None = None
            ) -> torch.Tensor:
     """x @ weight.T + bias (+ residual); `packed`, when given, must be pack(weight) of the
-    current weight. On oneDNN the residual add is a post-op of the matmul (no extra pass over
+    current weight. On oneDNN and SMALL the residual add joins the matmul (no extra pass over
     the output, and in bf16 one rounding instead of two)."""
-    # Every row count takes the same path, so a row's result does not depend on how many rows
-    # share its step. (MKL's float32 matrix-vector kernel streams the weights ~20% faster at 1-2
-    # rows, and SiLU/product as oneDNN post-ops save a pass at 64 rows, but both give results
-    # that differ in the last bits with the row count.)
-    if uses_onednn(x) and x.dim() == 2:
+    # From 2 rows on, every row count takes the same path, so a row's result does not depend
+    # on how many rows share its step. (MKL's float32 matrix-vector kernel streams the weights
+    # ~20% faster at 1-2 rows, and SiLU/product as oneDNN post-ops save a pass at 64 rows, but
+    # both give results that differ in the last bits with the row count.)
+    path = matmul_path(x, weight, bias, residual)
+    if path == SMALL:
+        return cpu_kernels.small_linear(x, weight, bias, residual)
+    if path == ONEDNN:
         w = weight if packed is None else packed
         if residual is not None and residual.dtype == x.dtype:
             return torch.ops.mkldnn._linear_pointwise.binary(

@@ -16,7 +16,7 @@ from hotswap.engine.attention.base import FusedDecodeInputs
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
-from hotswap.engine.layers.linear import Linear, linear, pack, uses_onednn
+from hotswap.engine.layers.linear import SMALL, Linear, linear, matmul_path, pack
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -132,17 +132,17 @@ class LlamaDecoderLayer(nn.Module):
         """forward() of a decode-only CPU step in one kernel call: the same ops, without ~20
         Python-dispatched ones per layer."""
         attn, mlp, i = self.self_attn, self.mlp, self.self_attn.layer_id
+        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)
+
+        def weight(proj: Linear) -> torch.Tensor:  # what linear() multiplies on `path`
+            return proj.weight if proj.packed is None or path == SMALL else proj.packed
+
         return cpu_kernels.decode_layer(
-            x, self.input_layernorm.weight, _matmul_weight(attn.qkv_proj), attn.qkv_proj.bias,
-            _matmul_weight(attn.o_proj), self.post_attention_layernorm.weight,
-            _matmul_weight(mlp.gate_up_proj), _matmul_weight(mlp.down_proj),
-            self.input_layernorm.eps, uses_onednn(x), fb.rope.cos, fb.rope.sin,
-            step.k_buffers[i], step.v_buffers[i], step.out_cache_loc, step.req_to_token,
-            step.req_idx, step.seq_lens, attn.cfg.num_heads, step.scale)
-
-
-def _matmul_weight(proj: Linear) -> torch.Tensor:
-    return proj.weight if proj.packed is None else proj.packed
+            x, self.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
+            weight(attn.o_proj), self.post_attention_layernorm.weight,
+            weight(mlp.gate_up_proj), weight(mlp.down_proj), self.input_layernorm.eps, path,
+            fb.rope.cos, fb.rope.sin, step.k_buffers[i], step.v_buffers[i], step.out_cache_loc,
+            step.req_to_token, step.req_idx, step.seq_lens, attn.cfg.num_heads, step.scale)
 
 
 class LlamaModel(nn.Module):
