@@ -821,6 +821,14 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& x,
   return {tokens, lse};
 }
 
+// f() inside a profiler scope called `name`: torch.profiler sees the parts of decode_layer,
+// whose kernels are called directly rather than through the dispatcher.
+template <typename F>
+auto scoped(const char* name, F f) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  return f();
+}
+
 // How linear() multiplies; layers/linear.py's ATEN, ONEDNN and SMALL, which pick it.
 constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2;
 
@@ -830,7 +838,9 @@ constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2;
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                   const at::Tensor* residual, int64_t path) {
   if (path == PATH_SMALL)
-    return small_linear(x, w, b, residual ? c10::optional<at::Tensor>(*residual) : c10::nullopt);
+    return scoped("hotswap::small_linear", [&] {
+      return small_linear(x, w, b, residual ? c10::optional<at::Tensor>(*residual) : c10::nullopt);
+    });
   if (path != PATH_ONEDNN) {
     auto out = at::linear(x, w, b);
     return residual ? out.add_(*residual) : out;
@@ -872,14 +882,6 @@ void store_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& k_buf,
     std::memcpy(kp + lp[t] * bytes, src + t * stride + offset, bytes);
     std::memcpy(vp + lp[t] * bytes, src + t * stride + offset + bytes, bytes);
   }
-}
-
-// f() inside a profiler scope called `name`: torch.profiler sees the parts of decode_layer,
-// whose kernels are called directly rather than through the dispatcher.
-template <typename F>
-auto scoped(const char* name, F f) {
-  RECORD_FUNCTION(name, std::vector<c10::IValue>());
-  return f();
 }
 
 // One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
