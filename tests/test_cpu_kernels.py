@@ -169,6 +169,9 @@ def test_small_linear_is_the_float32_product_of_bf16_weights():
     close(got, want, torch.bfloat16)
     alone = cpu_kernels.small_linear(xb[1:], w, bias, res[1:])
     assert torch.equal(alone[0], got[1])
+    five = torch.randn(5, 576, generator=g).bfloat16()  # past the 4 rows held in registers
+    assert torch.equal(cpu_kernels.small_linear(five, w)[4],
+                       cpu_kernels.small_linear(five[4:], w)[0])
     with pytest.raises(RuntimeError, match="residual must be"):
         cpu_kernels.small_linear(xb, w, bias, res.float())
 
@@ -244,8 +247,9 @@ def _runner(path: str, dtype: str) -> ModelRunner:
 def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dtype):
     """A prefill of short prompts and decode-only steps (the fused layer; Qwen3's q/k norms keep
     the layer-by-layer path), steps with an extend row past KERNEL_EXTEND_MAX_KEYS (padded SDPA
-    beside the kernel) and a decode row alone (bf16: small_linear) against the same model with
-    the kernels off: float32 within float32 rounding, bf16 within bf16 rounding of the logits."""
+    beside the kernel) and decode steps of 3 rows and 1 (bf16: small_linear; the prefill: oneDNN)
+    against the same model with the kernels off: float32 within float32 rounding, bf16 within
+    bf16 rounding of the logits."""
     calls = []
     decode_layer = cpu_kernels.decode_layer
     monkeypatch.setattr(cpu_kernels, "decode_layer", lambda *a: calls.append(1) or
@@ -258,7 +262,7 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
     tokens = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((20, 50, 200))]
     seqs = {r: [Seq(r, t) for t in tokens] for r in (fused, plain)}
     plans = ([[(0, 3), (1, 40)], [(2, 150), (0, 1)], [(1, 1), (2, 30)]]
-             + [[(0, 1), (1, 1), (2, 1)]] * 3 + [[(1, 1)]])  # the last: bf16's small_linear
+             + [[(0, 1), (1, 1), (2, 1)]] * 3 + [[(1, 1)]])  # decode: bf16's small_linear
     tol = 1e-4 if dtype == "float32" else 0.1
     for plan in plans:
         a, b = ([run_step(r, [(seqs[r][i], n) for i, n in plan]) for r in (fused, plain)])

@@ -505,13 +505,38 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // out [m, n] = x [m, k] @ w [n, k].T (+ bias) (+ residual) for a few rows m, with w bfloat16 as
 // it lies (row-major) and x float32 or bfloat16, out in x's dtype: float32 products (exact: a
 // bf16 weight times a float32 or bf16 x) and float32 sums, a bf16 out rounded once. What a
-// decode at batch 1 multiplies: the float32 lm_head of a bf16 model (half the bytes of its
+// decode of a few rows multiplies: the float32 lm_head of a bf16 model (half the bytes of its
 // float32 copy, the same products) and every projection of a bf16 model. Every output is one
-// 16-lane float32 dot product; four weight rows share each load of x, and each group of four
-// asks for the group SMALL_PREFETCH_ROWS rows ahead: without that the hardware prefetcher kept
-// SmolLM2's 30 layers and head at 9.8 GB/s, with it 14.9 GB/s (a plain sum over a large buffer:
-// 13-15 GB/s; oneDNN's bf16 matmul of one row: 9.3 GB/s; Xeon, 2 threads, one process).
+// 16-lane float32 dot product; four weight rows share each load of x (with AVX-512, up to four
+// rows of x share each widened weight), and each group of four weight rows asks for the group
+// SMALL_PREFETCH_ROWS rows ahead: without that the hardware prefetcher kept SmolLM2's 30 layers
+// and head at 9.8 GB/s, with it 14.9 GB/s (a plain sum over a large buffer: 13-15 GB/s;
+// oneDNN's bf16 matmul of one row: 9.3 GB/s; Xeon, 2 threads, one process). The 30 layers at
+// 1 / 2 / 4 rows: 14.5 / 15.8 / 20.4 ms with the weights widened once for all rows, 15.9 /
+// 20.4 / 36.0 ms widened for each (the same bits).
 constexpr int64_t SMALL_PREFETCH_ROWS = 8;
+
+#if defined(__AVX512F__)
+// One 4-row group of small_linear_rows for M rows of x at once (k a multiple of 16): each 16
+// weights are widened once for all M rows, which the portable loop does again for every row.
+template <int M>
+void small_group_avx512(const float* x, const at::BFloat16* w0, float* out, int64_t k,
+                        int64_t n) {
+  __m512 acc[M][4];
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = load16(w0 + r * k + j);
+    for (int i = 0; i < M; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * k + j);
+      for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_fmadd_ps(wv[r], xv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < 4; ++r) out[i * n + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#endif
 
 void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_t m, int64_t k,
                        int64_t n0, int64_t n1, int64_t n) {
@@ -527,6 +552,17 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
       for (int64_t b = 0; b < R * k * int64_t(sizeof(at::BFloat16)); b += 64)
         __builtin_prefetch(ahead + b);
     }
+#if defined(__AVX512F__)
+    if (k % 16 == 0 && m <= 4) {
+      float* o = out + r0;
+      switch (m) {
+        case 1: small_group_avx512<1>(x, w0, o, k, n); continue;
+        case 2: small_group_avx512<2>(x, w0, o, k, n); continue;
+        case 3: small_group_avx512<3>(x, w0, o, k, n); continue;
+        case 4: small_group_avx512<4>(x, w0, o, k, n); continue;
+      }
+    }
+#endif
     for (int64_t i = 0; i < m; ++i) {
       const float* xv = x + i * k;
       float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;

@@ -11,11 +11,12 @@ matmul then reads without converting it on every call (37 ms instead of 43 ms fo
 layers above, 8.2 ms instead of 10 ms for the lm_head). A pack is a cache of its weight; the
 ModelRunner rebuilds packs whenever the weights change and never uses a stale one.
 
-A bf16 decode row alone (batch 1, where a step only streams the weights) takes
-cpu_kernels.small_linear instead, a matrix-vector kernel over the plain bf16 weights that asks
-for them ahead of use: SmolLM2's 30 layers read at 14.9 against oneDNN's 9.3 GB/s (Xeon, 2
-threads). Its float32 sums run in another order than oneDNN's, so a bf16 row's last bits
-differ between a step of its own and a shared one (deterministic=True runs every row alone).
+A bf16 step of at most SMALL_ROWS rows (where a step only streams the weights: batch 1, the
+tail of a rollout) takes cpu_kernels.small_linear instead, a matrix-vector kernel over the
+plain bf16 weights that asks for them ahead of use: SmolLM2's 30 layers read at 14.7 GB/s at
+1 row and 13.4 at 2 against oneDNN's 9.3 at 1 (Xeon, 2 threads). Its float32 sums run in
+another order than oneDNN's, so a bf16 row's last bits differ between a step of up to
+SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 # How linear() multiplies (cpu_kernels.decode_layer takes the same codes).
 ATEN, ONEDNN, SMALL = 0, 1, 2
-SMALL_ROWS = 1  # bf16 rows that take cpu_kernels.small_linear
+# bf16 rows that take cpu_kernels.small_linear. Decode tok/s, one engine, oneDNN / small_linear
+# alternating (medians of 5, Xeon): 1 row 28.8 / 41.6, 2 rows 58.4 / 80.7, 3 rows 84.0 / 109.9,
+# 4 rows 132.3 / 149.4; the kernel holds at most 4 rows' sums in registers.
+SMALL_ROWS = 4
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -91,7 +95,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T + bias (+ residual); `packed`, when given, must be pack(weight) of the
     current weight. On oneDNN and SMALL the residual add joins the matmul (no extra pass over
     the output, and in bf16 one rounding instead of two)."""
-    # From 2 rows on, every row count takes the same path, so a row's result does not depend
+    # Above SMALL_ROWS, every row count takes the same path, so a row's result does not depend
     # on how many rows share its step. (MKL's float32 matrix-vector kernel streams the weights
     # ~20% faster at 1-2 rows, and SiLU/product as oneDNN post-ops save a pass at 64 rows, but
     # both give results that differ in the last bits with the row count.)

@@ -22,10 +22,11 @@ from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
 # the bytes of the float32 copy, the same products) in a matrix-vector kernel: measured 1.6 ms
-# against 2.6 ms for the 49k x 576 SmolLM2 head at 1 row; from 2 rows on they are even. On AMX
-# more rows take cpu_kernels.head_logits (64 rows: 7 against 16 ms with the weights in cache,
-# 15 against 21 ms from DRAM, as in a decode step); at 1 row it is no faster than this kernel.
-SMALL_HEAD_ROWS = 1
+# against 2.6 ms for the 49k x 576 SmolLM2 head at 1 row (EPYC). On AMX more rows take
+# cpu_kernels.head_logits (64 rows: 7 against 16 ms with the weights in cache, 15 against 21 ms
+# from DRAM, as in a decode step); from DRAM, the matrix-vector kernel against it: 3.4 / 4.2 ms
+# at 1 row, 3.7 / 4.3 at 2, 4.2 / 4.4 at 3, 4.8 / 4.7 at 4, 10.2 / 4.7 at 6 (Xeon).
+SMALL_HEAD_ROWS = 2
 
 
 class WeightSlot(NamedTuple):
