@@ -142,6 +142,16 @@ def matmul_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
             "down": (inter, h, n), "lm_head": (h, cfg.vocab_size, 1)}
 
 
+def _median_s(repeats: int, fn, *args, **kwargs) -> float:
+    """Median seconds of fn(*args, **kwargs) over `repeats` calls after 3 warm-up calls."""
+    samples = []
+    for _ in range(repeats + 3):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[3:])
+
+
 def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, repeats: int = 20
                     ) -> dict[str, dict[str, float]]:
     """dtype -> shape -> seconds of one [rows, in] x packed [in, out] matmul (oneDNN, median)."""
@@ -153,12 +163,7 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
         for name, (k, n, _) in shapes.items():
             x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype) * 0.05
             packed = pack(w)
-            samples = []
-            for _ in range(repeats + 3):
-                start = time.perf_counter()
-                linear(x, w, packed=packed)
-                samples.append(time.perf_counter() - start)
-            times[name] = statistics.median(samples[3:])
+            times[name] = _median_s(repeats, linear, x, w, packed=packed)
         out[str(dtype).removeprefix("torch.")] = times
     if cpu_kernels.available() and cpu_kernels.head_amx():
         # The float32 head of a bf16 engine as the engine runs it here: AMX matmuls of an exact
@@ -166,12 +171,8 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
         k, n, _ = shapes["lm_head"]
         hidden, norm = torch.randn(rows, k).bfloat16(), torch.ones(k, dtype=torch.bfloat16)
         packed = cpu_kernels.head_pack((torch.randn(n, k) * 0.05).bfloat16())
-        samples = []
-        for _ in range(repeats + 3):
-            start = time.perf_counter()
-            cpu_kernels.head_logits(hidden, norm, 1e-5, packed, n)
-            samples.append(time.perf_counter() - start)
-        out["bfloat16"]["lm_head fp32"] = statistics.median(samples[3:])
+        out["bfloat16"]["lm_head fp32"] = _median_s(
+            repeats, cpu_kernels.head_logits, hidden, norm, 1e-5, packed, n)
     return out
 
 

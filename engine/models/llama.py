@@ -133,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
         """forward() of a decode-only CPU step in one kernel call: the same ops, without ~20
         Python-dispatched ones per layer."""
         attn, mlp, i = self.self_attn, self.mlp, self.self_attn.layer_id
-        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)
+        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)  # x: the residual
 
         def weight(proj: Linear) -> torch.Tensor:  # what linear() multiplies on `path`
             return proj.weight if proj.packed is None or path == SMALL else proj.packed
