@@ -16,7 +16,7 @@ from hotswap.engine.attention.base import FusedDecodeInputs
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
-from hotswap.engine.layers.linear import SMALL, Linear, linear, matmul_path, pack
+from hotswap.engine.layers.linear import SMALL, SMALL_ROWS, Linear, linear, matmul_path, pack
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -123,6 +123,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # forward_fused's arguments by (at most SMALL_ROWS rows, dtype); pack_weights clears it.
+        self.fused_weights: dict[tuple[bool, torch.dtype], tuple] = {}
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), fb, residual=x)
@@ -132,18 +134,28 @@ class LlamaDecoderLayer(nn.Module):
                       ) -> torch.Tensor:
         """forward() of a decode-only CPU step in one kernel call: the same ops, without ~20
         Python-dispatched ones per layer."""
-        attn, mlp, i = self.self_attn, self.mlp, self.self_attn.layer_id
+        key = (len(x) <= SMALL_ROWS, x.dtype)
+        weights = self.fused_weights.get(key)
+        if weights is None:
+            weights = self.fused_weights[key] = self._fused_weights(x)
+        i = self.self_attn.layer_id
+        return cpu_kernels.decode_layer(
+            x, *weights, fb.rope.cos, fb.rope.sin, step.k_buffers[i], step.v_buffers[i],
+            step.out_cache_loc, step.req_to_token, step.req_idx, step.seq_lens,
+            self.self_attn.cfg.num_heads, step.scale)
+
+    def _fused_weights(self, x: torch.Tensor) -> tuple:
+        """decode_layer's weight arguments and path code for steps like x (cached in
+        fused_weights until the weights change: looking them up cost ~35 us a layer)."""
+        attn, mlp = self.self_attn, self.mlp
         path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)  # x: the residual
 
         def weight(proj: Linear) -> torch.Tensor:  # what linear() multiplies on `path`
             return proj.weight if proj.packed is None or path == SMALL else proj.packed
 
-        return cpu_kernels.decode_layer(
-            x, self.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
-            weight(attn.o_proj), self.post_attention_layernorm.weight,
-            weight(mlp.gate_up_proj), weight(mlp.down_proj), self.input_layernorm.eps, path,
-            fb.rope.cos, fb.rope.sin, step.k_buffers[i], step.v_buffers[i], step.out_cache_loc,
-            step.req_to_token, step.req_idx, step.seq_lens, attn.cfg.num_heads, step.scale)
+        return (self.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
+                weight(attn.o_proj), self.post_attention_layernorm.weight,
+                weight(mlp.gate_up_proj), weight(mlp.down_proj), self.input_layernorm.eps, path)
 
 
 class LlamaModel(nn.Module):
@@ -232,7 +244,10 @@ class LlamaForCausalLM(nn.Module):
         self.fp32_head = Fp32Head(norm.float(), weight if pk is None else pk, pk)
 
     def pack_weights(self, enable: bool = True) -> None:
-        """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py)."""
+        """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py) and
+        forget the fused layers' cached weight arguments."""
+        for layer in self.model.layers:
+            layer.fused_weights.clear()
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None
