@@ -508,15 +508,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // decode of a few rows multiplies: the float32 lm_head of a bf16 model (half the bytes of its
 // float32 copy, the same products) and every projection of a bf16 model. Every output is one
 // 16-lane float32 dot product; four weight rows share each load of x (with AVX-512, up to four
-// rows of x share each widened weight), and each group of four weight rows asks for the group
-// SMALL_PREFETCH_ROWS rows ahead: without that the hardware prefetcher kept SmolLM2's 30 layers
-// and head at 9.8 GB/s, with it 14.9 GB/s (a plain sum over a large buffer: 13-15 GB/s;
-// oneDNN's bf16 matmul of one row: 9.3 GB/s; Xeon, 2 threads, one process). The 30 layers at
-// 1 / 2 / 4 rows: 14.5 / 15.8 / 20.4 ms with the weights widened once for all rows, 15.9 /
-// 20.4 / 36.0 ms widened for each (the same bits).
+// rows of x share each widened weight). The weights stream from DRAM, so the loop asks for them
+// ahead: the portable loop for each group of four weight rows the group SMALL_PREFETCH_ROWS rows
+// ahead, the AVX-512 one for two cache lines SMALL_PREFETCH_BYTES ahead (into L2) with every
+// 128 bytes it reads. Without a prefetch the hardware prefetcher kept SmolLM2's 30 layers and
+// head at 9.8 GB/s; the group ahead gave 14.9 GB/s (oneDNN's bf16 matmul of one row: 9.3 GB/s;
+// Xeon, 2 threads, one process); the lines ahead, against the group ahead, alternating in one
+// process: 16.9 / 15.5 GB/s at 1 row, 13.1 / 11.5 at 4 (4 KB ahead: as the group; 32 and
+// 64 KB: 16.3 and 15.8 GB/s; into L1: no better than the group). The 30 layers at 1 / 2 / 4
+// rows: 14.5 / 15.8 / 20.4 ms with the weights widened once for all rows, 15.9 / 20.4 / 36.0 ms
+// widened for each (the same bits).
 constexpr int64_t SMALL_PREFETCH_ROWS = 8;
-
+constexpr int64_t SMALL_PREFETCH_BYTES = 16384;
 #if defined(__AVX512F__)
+constexpr bool HAS_AVX512 = true;
 // One 4-row group of small_linear_rows for M rows of x at once (k a multiple of 16): each 16
 // weights are widened once for all M rows, which the portable loop does again for every row.
 template <int M>
@@ -525,7 +530,11 @@ void small_group_avx512(const float* x, const at::BFloat16* w0, float* out, int6
   __m512 acc[M][4];
   for (int i = 0; i < M; ++i)
     for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 16) {
+  // The four rows lie one after the other: 16 weights of each are 128 bytes of the stream.
+  const char* ahead = reinterpret_cast<const char*>(w0) + SMALL_PREFETCH_BYTES;
+  for (int64_t j = 0; j < k; j += 16, ahead += 128) {
+    _mm_prefetch(ahead, _MM_HINT_T1);
+    _mm_prefetch(ahead + 64, _MM_HINT_T1);
     __m512 wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = load16(w0 + r * k + j);
     for (int i = 0; i < M; ++i) {
@@ -536,6 +545,8 @@ void small_group_avx512(const float* x, const at::BFloat16* w0, float* out, int6
   for (int i = 0; i < M; ++i)
     for (int r = 0; r < 4; ++r) out[i * n + r] = _mm512_reduce_add_ps(acc[i][r]);
 }
+#else
+constexpr bool HAS_AVX512 = false;
 #endif
 
 void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_t m, int64_t k,
@@ -547,13 +558,14 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
     const at::BFloat16* w1 = w0 + k;
     const at::BFloat16* w2 = w1 + k;
     const at::BFloat16* w3 = w2 + k;
-    if (r0 + SMALL_PREFETCH_ROWS + R <= n1) {
+    const bool avx512_group = HAS_AVX512 && k % 16 == 0 && m <= 4;
+    if (!avx512_group && r0 + SMALL_PREFETCH_ROWS + R <= n1) {
       const char* ahead = reinterpret_cast<const char*>(w0 + SMALL_PREFETCH_ROWS * k);
       for (int64_t b = 0; b < R * k * int64_t(sizeof(at::BFloat16)); b += 64)
         __builtin_prefetch(ahead + b);
     }
 #if defined(__AVX512F__)
-    if (k % 16 == 0 && m <= 4) {
+    if (avx512_group) {
       float* o = out + r0;
       switch (m) {
         case 1: small_group_avx512<1>(x, w0, o, k, n); continue;
