@@ -13,7 +13,7 @@ from hotswap.engine.kvcache.memory import KVPool
 
 class FusedDecodeInputs(NamedTuple):
     """The attention inputs of a step whose every token is a kernel query (decode rows, short
-    extend rows) for layers/cpu_kernels.decode_layer."""
+    extend rows) for layers/cpu_kernels.decode_layers."""
 
     k_buffers: list[torch.Tensor]  # per layer [slots, Hkv, D]
     v_buffers: list[torch.Tensor]

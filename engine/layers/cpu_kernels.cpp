@@ -964,6 +964,34 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   return linear(gate_up, down_w, c10::nullopt, &h, path);
 }
 
+
+// Every decoder layer of a decode-only batch in one call: decode_layer for each layer in turn
+// (weights: ln1, qkv, o, ln2, gate_up, down per layer; a qkv bias or None per layer). One call
+// from Python a step instead of one a layer: parsing a layer's 20 arguments cost ~20 us (30
+// layers at 1 row: 10.4 against 11.1 ms, alternating in one process). Each layer runs under a
+// profiler scope of its own, hotswap::decode_layer.
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights,
+                         const c10::List<c10::optional<at::Tensor>>& qkv_b,
+                         at::TensorList k_bufs, at::TensorList v_bufs, double eps, int64_t path,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& loc,
+                         const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                         const at::Tensor& seq_lens, int64_t num_heads, double scale) {
+  const int64_t layers = k_bufs.size();
+  TORCH_CHECK(int64_t(weights.size()) == 6 * layers && int64_t(qkv_b.size()) == layers &&
+                  int64_t(v_bufs.size()) == layers,
+              "six weights, a qkv bias (or None) and a K and V buffer per layer expected");
+  at::Tensor h = x;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + 6 * i;
+    h = scoped("hotswap::decode_layer", [&] {
+      return decode_layer(h, w[0], w[1], qkv_b.get(i), w[2], w[3], w[4], w[5], eps, path, cos,
+                          sin, k_bufs[i], v_bufs[i], loc, req_to_token, req_idx, seq_lens,
+                          num_heads, scale);
+    });
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hotswap, m) {
@@ -978,10 +1006,10 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
         "-> Tensor");
-  m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor ln2, "
-        "Tensor gate_up_w, Tensor down_w, float eps, int path, Tensor cos, Tensor sin, "
-        "Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor req_to_token, Tensor req_idx, "
-        "Tensor seq_lens, int num_heads, float scale) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_b, Tensor(a!)[] k_bufs, "
+        "Tensor(b!)[] v_bufs, float eps, int path, Tensor cos, Tensor sin, Tensor loc, "
+        "Tensor req_to_token, Tensor req_idx, Tensor seq_lens, int num_heads, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
@@ -993,10 +1021,10 @@ TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("sample_rows", &sample_rows);
   m.impl("head_pack", &head_pack);
   m.impl("head_logits", &head_logits);
-  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CompositeExplicitAutograd, m) { m.impl("head_amx", &head_amx); }
 
 // The packed weights are oneDNN tensors, which dispatch on their own key.
-TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }

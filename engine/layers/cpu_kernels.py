@@ -144,7 +144,7 @@ def head_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return torch.ops.hotswap.head_logits(hidden, norm_weight, eps, packed, vocab)
 
 
-def decode_layer(x: torch.Tensor, *args) -> torch.Tensor:
-    """One decoder layer of a decode-only batch in one call (see decode_layer in the .cpp for
-    the arguments); models/llama.py's LlamaDecoderLayer.forward_fused passes them."""
-    return torch.ops.hotswap.decode_layer(x, *args)
+def decode_layers(x: torch.Tensor, *args) -> torch.Tensor:
+    """Every decoder layer of a decode-only batch in one call (see decode_layers in the .cpp for
+    the arguments); models/llama.py's LlamaModel passes them."""
+    return torch.ops.hotswap.decode_layers(x, *args)

@@ -68,7 +68,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
-# How linear() multiplies (cpu_kernels.decode_layer takes the same codes).
+# How linear() multiplies (cpu_kernels.decode_layers takes the same codes).
 ATEN, ONEDNN, SMALL = 0, 1, 2
 # bf16 rows that take cpu_kernels.small_linear. Decode tok/s, one engine, oneDNN / small_linear
 # alternating (medians of 5, Xeon): 1 row 28.8 / 41.6, 2 rows 58.4 / 80.7, 3 rows 84.0 / 109.9,

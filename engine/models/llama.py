@@ -123,57 +123,66 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # forward_fused's arguments by (at most SMALL_ROWS rows, dtype); pack_weights clears it.
-        self.fused_weights: dict[tuple[bool, torch.dtype], tuple] = {}
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), fb, residual=x)
         return self.mlp(self.post_attention_layernorm(x), fb, residual=x)
 
-    def forward_fused(self, x: torch.Tensor, fb: ForwardBatch, step: FusedDecodeInputs
-                      ) -> torch.Tensor:
-        """forward() of a decode-only CPU step in one kernel call: the same ops, without ~20
-        Python-dispatched ones per layer."""
-        key = (len(x) <= SMALL_ROWS, x.dtype)
-        weights = self.fused_weights.get(key)
-        if weights is None:
-            weights = self.fused_weights[key] = self._fused_weights(x)
-        i = self.self_attn.layer_id
-        return cpu_kernels.decode_layer(
-            x, *weights, fb.rope.cos, fb.rope.sin, step.k_buffers[i], step.v_buffers[i],
-            step.out_cache_loc, step.req_to_token, step.req_idx, step.seq_lens,
-            self.self_attn.cfg.num_heads, step.scale)
-
-    def _fused_weights(self, x: torch.Tensor) -> tuple:
-        """decode_layer's weight arguments and path code for steps like x (cached in
-        fused_weights until the weights change: looking them up cost ~35 us a layer)."""
-        attn, mlp = self.self_attn, self.mlp
-        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)  # x: the residual
-
-        def weight(proj: Linear) -> torch.Tensor:  # what linear() multiplies on `path`
-            return proj.weight if proj.packed is None or path == SMALL else proj.packed
-
-        return (self.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
-                weight(attn.o_proj), self.post_attention_layernorm.weight,
-                weight(mlp.gate_up_proj), weight(mlp.down_proj), self.input_layernorm.eps, path)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
+        self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # _forward_fused's weight arguments by (at most SMALL_ROWS rows, dtype): looking them up
+        # through the modules took ~35 us a layer. LlamaForCausalLM.pack_weights clears it.
+        self.fused_weights: dict[tuple[bool, torch.dtype], tuple] = {}
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
         fb.rope = self.rotary.lookup(fb.positions, x.dtype)
         step = self._fused_decode_inputs(fb)
+        if step is not None:
+            return self._forward_fused(x, fb, step)
         for layer in self.layers:
-            x = layer(x, fb) if step is None else layer.forward_fused(x, fb, step)
+            x = layer(x, fb)
         return x
+
+    def _forward_fused(self, x: torch.Tensor, fb: ForwardBatch, step: FusedDecodeInputs
+                       ) -> torch.Tensor:
+        """The layers' forward() for a decode-only CPU step in one kernel call: the same ops,
+        without ~20 Python-dispatched ones per layer."""
+        key = (len(x) <= SMALL_ROWS, x.dtype)
+        args = self.fused_weights.get(key)
+        if args is None:
+            args = self.fused_weights[key] = self._fused_weights(x)
+        weights, biases, path = args
+        return cpu_kernels.decode_layers(
+            x, weights, biases, step.k_buffers, step.v_buffers, self.cfg.rms_norm_eps, path,
+            fb.rope.cos, fb.rope.sin, step.out_cache_loc, step.req_to_token, step.req_idx,
+            step.seq_lens, self.cfg.num_heads, step.scale)
+
+    def _fused_weights(self, x: torch.Tensor) -> tuple[list, list, int]:
+        """decode_layers' weights (six a layer) and qkv biases for steps like x, and the path
+        code linear() takes for them."""
+        attn = self.layers[0].self_attn
+        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)  # x: the residual
+
+        def weight(proj: Linear) -> torch.Tensor:  # what linear() multiplies on `path`
+            return proj.weight if proj.packed is None or path == SMALL else proj.packed
+
+        weights, biases = [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, weight(attn.qkv_proj), weight(attn.o_proj),
+                        layer.post_attention_layernorm.weight, weight(mlp.gate_up_proj),
+                        weight(mlp.down_proj)]
+            biases.append(attn.qkv_proj.bias)
+        return weights, biases, path
 
     def _fused_decode_inputs(self, fb: ForwardBatch) -> FusedDecodeInputs | None:
         """The step's inputs to the fused CPU decoder layer, or None where the layers run op by
@@ -246,8 +255,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, enable: bool = True) -> None:
         """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py) and
         forget the fused layers' cached weight arguments."""
-        for layer in self.model.layers:
-            layer.fused_weights.clear()
+        self.model.fused_weights.clear()
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None
