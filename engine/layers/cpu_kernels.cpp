@@ -520,6 +520,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // widened for each (the same bits).
 constexpr int64_t SMALL_PREFETCH_ROWS = 8;
 constexpr int64_t SMALL_PREFETCH_BYTES = 16384;
+
 #if defined(__AVX512F__)
 constexpr bool HAS_AVX512 = true;
 // One 4-row group of small_linear_rows for M rows of x at once (k a multiple of 16): each 16
@@ -963,7 +964,6 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
   return linear(gate_up, down_w, c10::nullopt, &h, path);
 }
-
 
 // Every decoder layer of a decode-only batch in one call: decode_layer for each layer in turn
 // (weights: ln1, qkv, o, ln2, gate_up, down per layer; a qkv bias or None per layer). One call
