@@ -110,6 +110,12 @@ def test_bad_inputs_are_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_kernels.decode_attention(q.bfloat16(), k_buf, v_buf, table, torch.tensor([0]),
                                      torch.tensor([5]), 1.0)
+    x, w = torch.zeros(1, 64), torch.zeros(64, 64)
+    with pytest.raises(RuntimeError, match="six weights, a qkv bias"):  # five weights, one layer
+        cpu_kernels.decode_layers(x, [w] * 5, [None], [k_buf], [v_buf], 1e-5, 0,
+                                  torch.zeros(1, 32), torch.zeros(1, 32),
+                                  torch.tensor([0]), table, torch.tensor([0]),
+                                  torch.tensor([1]), 1, 1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
