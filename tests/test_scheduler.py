@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from hotswap.engine import Engine
+from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.scheduler.kv_manager import StepPeers, common_prefix_len
 
 GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
@@ -83,6 +86,28 @@ def test_shared_prefix_is_computed_once(tiny_chat_model_path):
 def trie_size(seqs: list[list[int]]) -> int:
     """Tokens a perfect prefix cache computes for `seqs`: the nodes of their trie."""
     return len({tuple(s[:i + 1]) for s in seqs for i in range(len(s))})
+
+
+def test_step_peers_find_the_longest_shared_prefix_of_all_peers():
+    """A request admitted in a step borrows from the peer sharing its longest prefix. StepPeers
+    compares it with its two neighbours in sorted order only; a scan of every peer of its
+    namespace (what admission did before) finds no longer prefix, and no other namespace's
+    peer is offered."""
+    rng = random.Random(3)
+    stems = [[rng.randrange(4) for _ in range(rng.randrange(0, 12))] for _ in range(6)]
+    spaces = [Namespace("v1"), Namespace("v2"), Namespace("v1", cache_salt="s")]
+    peers, everyone = StepPeers(), []
+    for _ in range(300):
+        ids = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randrange(0, 10))]
+        ns = rng.choice(spaces)
+        scan = max((common_prefix_len(ids, tokens) for space, tokens in everyone
+                    if space == ns), default=0)
+        found = peers.neighbours(ns, ids)
+        assert all(peer.namespace == ns for peer, _ in found)
+        assert max((common_prefix_len(ids, tokens) for _, tokens in found), default=0) == scan
+        computed = rng.randrange(0, len(ids) + 1)  # a chunk may compute part of its tokens
+        peers.add(SimpleNamespace(fill_ids=ids, kv_len=computed, namespace=ns))
+        everyone.append((ns, ids[:computed]))
 
 
 @pytest.mark.parametrize("page_size, chunk", [(1, -1), (4, -1), (1, 16)])

@@ -32,7 +32,7 @@ from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.control import SchedulerControl
-from hotswap.engine.scheduler.kv_manager import KVManager
+from hotswap.engine.scheduler.kv_manager import KVManager, StepPeers
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
@@ -342,13 +342,17 @@ class Scheduler(SchedulerControl):
             return rows
         share = self.config.enable_prefix_cache and not self.tree.disable
         prefix = (lambda r: self.kv.match_len(self.namespace(r), r)) if share else None
+        peers = None
+        if share:  # requests admitted in this step share their prefixes through it
+            peers = StepPeers()
+            for row in rows:
+                peers.add(row.req)
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         for req in order_waiting(self.waiting, cfg.schedule_policy, prefix):
             if not adder.room_for_new_request():
                 break
             if not self.lora.admissible(req, adapters):  # max_loras_per_batch: try others
                 continue
-            peers = [row.req for row in rows] if share else []
             if not self.kv.admit(req, self.namespace(req), peers):
                 break
             cached = req.kv_len
@@ -363,6 +367,8 @@ class Scheduler(SchedulerControl):
             req.admit_seq = self._admit_counter
             self.stats["cached_tokens"] += cached
             rows.append(row)
+            if peers is not None:
+                peers.add(req)
             chunking = chunking or not row.samples
         return rows
 
