@@ -13,10 +13,10 @@ ModelRunner rebuilds packs whenever the weights change and never uses a stale on
 
 A bf16 step of at most SMALL_ROWS rows (where a step only streams the weights: batch 1, the
 tail of a rollout) takes cpu_kernels.small_linear instead, a matrix-vector kernel over the
-plain bf16 weights that asks for them ahead of use: SmolLM2's 30 layers read at 14.7 GB/s at
-1 row and 13.4 at 2 against oneDNN's 9.3 at 1 (Xeon, 2 threads). Its float32 sums run in
-another order than oneDNN's, so a bf16 row's last bits differ between a step of up to
-SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
+plain bf16 weights that asks for them ahead of use: SmolLM2's 30 layers and head read at
+16.9 GB/s at 1 row and 13.1 at 4 against oneDNN's 9.3 at 1 (Xeon, 2 threads). Its float32
+sums run in another order than oneDNN's, so a bf16 row's last bits differ between a step of
+up to SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
 """
 
 from __future__ import annotations
