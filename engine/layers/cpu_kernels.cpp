@@ -448,23 +448,37 @@ inline float inv_rms(const T* row, int64_t h, double eps) {
 }
 
 // RMSNorm of each row of x [T, H] times weight [H] (same dtype): float32 arithmetic, one
-// rounding at the end, as F.rms_norm computes it in ~30 ops.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// rounding at the end, as F.rms_norm computes it in ~30 ops. With a residual [T, H] (x dense),
+// x += residual first, in place and rounded to x's dtype as x.add_(residual) rounds it, and the
+// norm is of that sum: the residual add after a matmul costs no pass of its own (oneDNN's add
+// post-op cost ~25 us a call more than the matmul without it, at any size).
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
+                         const at::Tensor* residual) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
               "x [tokens, hidden] and weight [hidden] of one dtype expected");
+  TORCH_CHECK(!residual || (x.is_contiguous() && residual->sizes() == x.sizes() &&
+                            residual->scalar_type() == x.scalar_type()),
+              "a residual must match x, and x be dense");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
+  auto rc = residual ? residual->contiguous() : at::Tensor();
   const int64_t t = x.size(0), h = x.size(1);
   auto out = at::empty({t, h}, x.options());
   dispatch(x.scalar_type(), "rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* xp = xc.data_ptr<scalar_t>();
     const scalar_t* wp = wc.data_ptr<scalar_t>();
+    const scalar_t* rp = residual ? rc.data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, t, std::max<int64_t>(1, 32768 / h), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* row = xp + i * h;
+        scalar_t* row = xp + i * h;
+        if (rp) {
+          const scalar_t* r = rp + i * h;
+#pragma omp simd
+          for (int64_t j = 0; j < h; ++j) row[j] = narrow<scalar_t>(widen(row[j]) + widen(r[j]));
+        }
         const float r = inv_rms(row, h, eps);
         scalar_t* o = op + i * h;
 #pragma omp simd
@@ -473,6 +487,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     });
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, weight, eps, nullptr);
 }
 
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
@@ -882,32 +900,27 @@ auto scoped(const char* name, F f) {
 constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2;
 
 // x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it on
-// `path`: oneDNN's matmul (w packed or plain) with the residual add as its post-op, the
-// matrix-vector kernel above (w plain bf16, a few rows), or at::linear then the add.
+// `path`: the matrix-vector kernel above (w plain bf16, a few rows; the residual joins its
+// float32 sums), else oneDNN's matmul (w packed or plain) or at::linear, then the add.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                   const at::Tensor* residual, int64_t path) {
   if (path == PATH_SMALL)
     return scoped("hotswap::small_linear", [&] {
       return small_linear(x, w, b, residual ? c10::optional<at::Tensor>(*residual) : c10::nullopt);
     });
-  if (path != PATH_ONEDNN) {
-    auto out = at::linear(x, w, b);
-    return residual ? out.add_(*residual) : out;
+  at::Tensor out;
+  if (path == PATH_ONEDNN) {
+    static auto plain = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                          c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                          c10::optional<c10::string_view>)>();
+    out = plain.call(x.contiguous(), w, b, "none", c10::List<c10::optional<at::Scalar>>(),
+                     c10::string_view(""));
+  } else {
+    out = at::linear(x, w, b);
   }
-  if (residual) {
-    static auto binary = c10::Dispatcher::singleton()
-        .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
-        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const c10::optional<at::Tensor>&, c10::string_view)>();
-    return binary.call(x.contiguous(), residual->contiguous(), w, b, "add");
-  }
-  static auto plain = c10::Dispatcher::singleton()
-      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                        c10::string_view, c10::List<c10::optional<at::Scalar>>,
-                        c10::optional<c10::string_view>)>();
-  return plain.call(x.contiguous(), w, b, "none", c10::List<c10::optional<at::Scalar>>(),
-                    c10::string_view(""));
+  return residual ? out.add_(*residual) : out;
 }
 
 // k_buf[loc[t]] = the k columns of qkv row t (from column q_size), v_buf[loc[t]] the v columns
@@ -936,20 +949,25 @@ void store_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& k_buf,
 // One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
 // models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
 // + residual, norm, gate_up, SiLU-and-multiply, down + residual. Weights are whatever linear()
-// multiplies on `path` (the packed copy where there is one, except on PATH_SMALL).
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w,
-                        const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
-                        const at::Tensor& ln2, const at::Tensor& gate_up_w,
-                        const at::Tensor& down_w, double eps, int64_t path, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                        const at::Tensor& loc, const at::Tensor& req_to_token,
-                        const at::Tensor& req_idx, const at::Tensor& seq_lens, int64_t num_heads,
-                        double scale) {
+// multiplies on `path` (the packed copy where there is one, except on PATH_SMALL). The layer's
+// input is x + *pending where pending is given (the previous layer's residual, not yet added);
+// it returns its output the same way, {out, pending}: each residual add off PATH_SMALL (whose
+// kernel adds it to its sums) joins the RMSNorm that reads the sum.
+std::pair<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor x, const at::Tensor* pending, const at::Tensor& ln1, const at::Tensor& qkv_w,
+    const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w, const at::Tensor& ln2,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, double eps, int64_t path,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf,
+    const at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& req_to_token,
+    const at::Tensor& req_idx, const at::Tensor& seq_lens, int64_t num_heads, double scale) {
   const int64_t hkv = k_buf.size(1), d = k_buf.size(2);
   const int64_t q_size = num_heads * d, kv_size = hkv * d;
+  const bool small = path == PATH_SMALL;
   // The parts other than the matmuls (aten ops, seen already) under their ops' names.
-  auto qkv = linear(scoped("hotswap::rms_norm", [&] { return rms_norm(x, ln1, eps); }), qkv_w,
-                    qkv_b, nullptr, path);
+  auto norm = [&](const at::Tensor& t, const at::Tensor& w, const at::Tensor* r) {
+    return scoped("hotswap::rms_norm", [&] { return rms_norm_impl(t, w, eps, r); });
+  };
+  auto qkv = linear(norm(x, ln1, pending), qkv_w, qkv_b, nullptr, path);
   scoped("hotswap::rotary_", [&] {
     return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), cos, sin);
   });
@@ -958,11 +976,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
     return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, req_to_token, req_idx,
                             seq_lens, scale);
   });
-  auto h = linear(o, o_w, c10::nullopt, &x, path);
-  auto gate_up = linear(scoped("hotswap::rms_norm", [&] { return rms_norm(h, ln2, eps); }),
-                        gate_up_w, c10::nullopt, nullptr, path);
+  auto h = linear(o, o_w, c10::nullopt, small ? &x : nullptr, path);
+  auto gate_up = linear(norm(h, ln2, small ? nullptr : &x), gate_up_w, c10::nullopt, nullptr,
+                        path);
   gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
-  return linear(gate_up, down_w, c10::nullopt, &h, path);
+  auto out = linear(gate_up, down_w, c10::nullopt, small ? &h : nullptr, path);
+  return {out, small ? at::Tensor() : h};
 }
 
 // Every decoder layer of a decode-only batch in one call: decode_layer for each layer in turn
@@ -980,16 +999,17 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights,
   TORCH_CHECK(int64_t(weights.size()) == 6 * layers && int64_t(qkv_b.size()) == layers &&
                   int64_t(v_bufs.size()) == layers,
               "six weights, a qkv bias (or None) and a K and V buffer per layer expected");
-  at::Tensor h = x;
+  std::pair<at::Tensor, at::Tensor> h{x, at::Tensor()};
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + 6 * i;
+    const at::Tensor* pending = h.second.defined() ? &h.second : nullptr;
     h = scoped("hotswap::decode_layer", [&] {
-      return decode_layer(h, w[0], w[1], qkv_b.get(i), w[2], w[3], w[4], w[5], eps, path, cos,
-                          sin, k_bufs[i], v_bufs[i], loc, req_to_token, req_idx, seq_lens,
-                          num_heads, scale);
+      return decode_layer(h.first, pending, w[0], w[1], qkv_b.get(i), w[2], w[3], w[4], w[5],
+                          eps, path, cos, sin, k_bufs[i], v_bufs[i], loc, req_to_token, req_idx,
+                          seq_lens, num_heads, scale);
     });
   }
-  return h;
+  return h.second.defined() ? h.first.add_(h.second) : h.first;
 }
 
 }  // namespace
