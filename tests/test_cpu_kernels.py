@@ -175,9 +175,11 @@ def test_small_linear_is_the_float32_product_of_bf16_weights():
     close(got, want, torch.bfloat16)
     alone = cpu_kernels.small_linear(xb[1:], w, bias, res[1:])
     assert torch.equal(alone[0], got[1])
-    five = torch.randn(5, 576, generator=g).bfloat16()  # past the 4 rows held in registers
-    assert torch.equal(cpu_kernels.small_linear(five, w)[4],
-                       cpu_kernels.small_linear(five[4:], w)[0])
+    many = torch.randn(11, 576, generator=g).bfloat16()  # past the 8 rows held in registers
+    got = cpu_kernels.small_linear(many, w)
+    close(got, many.double() @ w.double().T, torch.bfloat16)
+    for i in (4, 5, 10):
+        assert torch.equal(got[i], cpu_kernels.small_linear(many[i:i + 1], w)[0])
     with pytest.raises(RuntimeError, match="residual must be"):
         cpu_kernels.small_linear(xb, w, bias, res.float())
 

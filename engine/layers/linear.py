@@ -72,8 +72,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 ATEN, ONEDNN, SMALL = 0, 1, 2
 # bf16 rows that take cpu_kernels.small_linear. Decode tok/s, one engine, oneDNN / small_linear
 # alternating (medians of 5, Xeon): 1 row 28.8 / 41.6, 2 rows 58.4 / 80.7, 3 rows 84.0 / 109.9,
-# 4 rows 132.3 / 149.4; the kernel holds at most 4 rows' sums in registers.
-SMALL_ROWS = 4
+# 4 rows 132.3 / 149.4. With AVX512-BF16's products it also wins at 5 and 6 rows and ties from
+# 7 (SmolLM2's 30 layers, against oneDNN: 5 rows 17.2 / 21.6 ms, 6: 19.0 / 21.0, 8: 20.4 / 20.8).
+SMALL_ROWS = 6
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
