@@ -207,7 +207,7 @@ def auto_dtype(device: str, checkpoint_dtype: str, cpu_flags: set[str] | None = 
         return "float32", f"the checkpoint's dtype is {checkpoint_dtype}"
     if device == "cuda":
         return wanted, "the checkpoint's dtype, on CUDA"
-    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
     have = [f for f in CPU_BF16_FLAGS if f in flags]
     if wanted == "bfloat16" and have:
         return "bfloat16", f"the checkpoint's dtype; this CPU has {', '.join(have)}"
@@ -216,7 +216,7 @@ def auto_dtype(device: str, checkpoint_dtype: str, cpu_flags: set[str] | None = 
                        "the checkpoint is float16, which has no fast CPU path")
 
 
-def _cpu_flags() -> set[str]:
+def read_cpu_flags() -> set[str]:
     """The CPU feature flags from /proc/cpuinfo (empty where it does not exist)."""
     try:
         with open("/proc/cpuinfo") as f:

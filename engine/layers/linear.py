@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it.
@@ -72,9 +73,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 ATEN, ONEDNN, SMALL = 0, 1, 2
 # bf16 rows that take cpu_kernels.small_linear. Decode tok/s, one engine, oneDNN / small_linear
 # alternating (medians of 5, Xeon): 1 row 28.8 / 41.6, 2 rows 58.4 / 80.7, 3 rows 84.0 / 109.9,
-# 4 rows 132.3 / 149.4. With AVX512-BF16's products it also wins at 5 and 6 rows and ties from
-# 7 (SmolLM2's 30 layers, against oneDNN: 5 rows 17.2 / 21.6 ms, 6: 19.0 / 21.0, 8: 20.4 / 20.8).
-SMALL_ROWS = 6
+# 4 rows 132.3 / 149.4. Where the CPU has AVX512-BF16 the kernel multiplies bf16 pairs as they
+# are and also wins at 5 and 6 rows, tying from 7 (SmolLM2's 30 layers, against oneDNN: 5 rows
+# 17.2 / 21.6 ms, 6: 19.0 / 21.0, 8: 20.4 / 20.8).
+SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
