@@ -732,13 +732,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
     const T* rp = residual ? rc.data_ptr<T>() : nullptr;
     const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    auto rows = [&](int64_t n0, int64_t n1) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>)
-        if (bf16_x) small_linear_rows_bf16(xp, wp, acc.data(), m, k, n0, n1, n);
-      if (!bf16_x)
+        if (bf16_x) return small_linear_rows_bf16(xp, wp, acc.data(), m, k, n0, n1, n);
 #endif
-        small_linear_rows(xf.data(), wp, acc.data(), m, k, n0, n1, n);
+      small_linear_rows(xf.data(), wp, acc.data(), m, k, n0, n1, n);
+    };
+    at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+      rows(n0, n1);
       for (int64_t i = 0; i < m; ++i) {
         const float* a = acc.data() + i * n;
         const T* r = rp ? rp + i * n : nullptr;
