@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch by default; GPU users install their CUDA torch into the venv first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup model demo test test-fast test-gpu bench bench-weight-sync lint
+.PHONY: setup model demo test test-fast test-gpu gpu-check bench bench-weight-sync lint
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,11 @@ test-fast: setup
 # On a CUDA machine with triton and flashinfer installed: the kernel checks skipped on CPU.
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# On a CUDA machine: gpu tests, bf16 throughput per attention backend vs HF, an NCCL weight
+# update vs a raw broadcast; one JSON file (docs/gpu.md). Unattended, under 8 minutes.
+gpu-check: model
+	$(BIN)/python bench/gpu_check.py --out gpu_check.json
 
 bench: model
 	$(BIN)/python bench/throughput.py

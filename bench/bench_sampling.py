@@ -14,7 +14,8 @@ import time
 import torch
 
 from hotswap.engine.core.sampling_params import SamplingParams
-from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.executor.sampling import Sampler
+from hotswap.engine.executor.sampling_batch_info import SamplingBatchInfo
 
 CASES = {
     "greedy": {"temperature": 0.0},
@@ -45,7 +46,7 @@ def time_case(params: dict, logits: torch.Tensor, iters: int, logprobs: bool) ->
     for _ in range(iters):
         start = time.perf_counter()
         info = SamplingBatchInfo.build(p, outputs, prompts, [64] * bsz, [2], vocab, "cpu")
-        sampler.sample(logits, info, logprobs, 5 if logprobs else 0, None, gen)
+        sampler.sample(logits, info, logprobs, 5 if logprobs else 0, gen)
         times.append((time.perf_counter() - start) * 1e3)
     return times
 

@@ -1,15 +1,19 @@
 """Weight sync: a trainer process pushes SmolLM2-135M (fp32, ~540 MB) into an engine process.
 
-python bench/weight_sync.py [--repeats 3] [--bucket-mb 32] [--stall-requests 4]
+python bench/weight_sync.py [--repeats 5] [--bucket-mb 32] [--stall-requests 4]
+                            [--staging standby|none]
 
-This process runs the engine (reached through the small RPC in tests/rpc_proxy.py); a spawned
-trainer process (tests/torchrun_sender.py) holds perturbed weights and sends them with
-WeightSender over gloo on localhost. Measured in one run, between the same two processes:
+This process runs the engine (reached through hotswap.weight_sync.rpc); a spawned trainer
+process holds perturbed weights and sends them with WeightSender over gloo on localhost.
+Measured in one run, between the same two processes:
 - end-to-end update time: WeightSender.send called -> every target committed the new version,
   for load_format None (one broadcast per tensor) and "flattened_bucket";
 - a raw gloo broadcast of the same bytes in the same messages (one per tensor, or one per
-  bucket), timed on the receiving side; the ratio e2e / raw is the price of the update protocol
-  (RPC, validation, pause, copy into the model, version bump);
+  bucket), timed on the receiving side; the ratio e2e / raw is the price of the update protocol;
+- where the engine's share goes, per stage (the engine's own timings of each update), and what
+  is left for the RPC and the sender: e2e minus the engine's stages;
+- the memory an update costs: peak RSS during the update minus RSS before it (the first update
+  of a run allocates the standby buffer, later ones reuse it);
 - the stall in-flight streaming requests see in each pause mode: the time between a request's
   last token under the old weights and its first under the new ones (this includes the first
   forward's rebuild of the packed weight copies, printed at the end). Under "abort" the client
@@ -19,63 +23,182 @@ WeightSender over gloo on localhost. Measured in one run, between the same two p
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load_file
 
 from hotswap.engine import Engine
 from hotswap.engine.models.fetch import ensure_model
-from hotswap.weight_sync import init_process_group, plan_buckets
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
-from rpc_proxy import RpcServer  # noqa: E402
-from torchrun_sender import TrainerProcess, free_port  # noqa: E402
+from hotswap.weight_sync import WeightSender, init_process_group, plan_buckets
+from hotswap.weight_sync.group import free_port
+from hotswap.weight_sync.rpc import EngineProxy, RpcClient, RpcServer
 
 FORMATS = (None, "flattened_bucket")
 PAUSE_MODES = ("retract", "in_place", "abort")
+TRAINER_METHODS = ("load", "connect", "send", "raw_open", "raw_round", "raw_close", "close")
 
 
-def tensor_specs(model_path: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(name, dtype, shape) in the order the trainer sends (sorted names), as fp32."""
-    with safe_open(os.path.join(model_path, "model.safetensors"), framework="pt") as f:
-        return [(n, torch.float32, tuple(f.get_slice(n).get_shape())) for n in sorted(f.keys())]
+def hf_module_order(model_path: str, names: list[str]) -> list[str]:
+    """`names` in the order an HF model's named_parameters() yields them, as a trainer sends."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    rank = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
-def raw_broadcast(trainer: TrainerProcess, sizes: list[int], repeats: int) -> list[float]:
-    """Seconds per round of plain gloo broadcasts of `sizes` bytes, timed on this (receiving)
-    side from the moment both sides are ready to the last byte landing."""
-    port = free_port()
-    trainer.start("raw", master_port=port, group_name="raw", sizes=sizes, repeats=repeats)
-    group = init_process_group("127.0.0.1", port, 1, 2, "raw", "gloo", timeout_s=120)
-    buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-    group.broadcast(torch.zeros(1))
-    times = []
-    for _ in range(repeats):
+class BenchTrainer:
+    """The trainer process: perturbed weights and one WeightSender (each method an RPC)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.sender: WeightSender | None = None
+        self.proxy: EngineProxy | None = None
+        self.raw_group: Any = None
+
+    def load(self, model_path: str, seed: int, scale: float) -> list[tuple[str, list[int]]]:
+        """The checkpoint plus noise, in HF module order; returns (name, shape) in that order."""
+        tensors = load_file(os.path.join(model_path, "model.safetensors"))
+        gen = torch.Generator().manual_seed(seed)
+        for name in hf_module_order(model_path, list(tensors)):
+            base = tensors[name].float()
+            noise = torch.randn(base.shape, generator=gen)
+            self.tensors[name] = base + scale * base.abs().mean() * noise
+        return [(n, list(t.shape)) for n, t in self.tensors.items()]
+
+    def connect(self, address: tuple[str, int], authkey: bytes, master_port: int,
+                bucket_bytes: int, timeout_s: float) -> None:
+        self.proxy = EngineProxy(address, authkey, timeout_s=2 * timeout_s)
+        self.sender = WeightSender("127.0.0.1", master_port, 2, backend="gloo",
+                                   bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        self.sender.connect([self.proxy])
+
+    def send(self, **kwargs: Any) -> dict:
+        torch.set_num_threads(1)  # as the trainer's main thread (this is an RPC thread)
+        start = time.perf_counter()
+        replies = self.sender.send(self.tensors, [self.proxy], **kwargs)
+        return {"replies": replies, "seconds": time.perf_counter() - start}
+
+    def raw_open(self, master_port: int) -> None:
+        self.raw_group = init_process_group("127.0.0.1", master_port, 0, 2, "raw", "gloo",
+                                            timeout_s=120)
+
+    def raw_round(self, sizes: list[int]) -> None:
+        """Rank 0 of plain broadcasts of buffers of `sizes` bytes (allocated beforehand)."""
+        torch.set_num_threads(1)
+        buffers = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+        self.raw_group.broadcast(torch.zeros(1))  # both sides ready before the clock starts
+        for buf in buffers:
+            self.raw_group.broadcast(buf)
+
+    def raw_close(self) -> None:
+        self.raw_group.destroy()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close([self.proxy])
+            self.sender = None
+
+
+def _trainer_main(conn: Any) -> None:
+    torch.set_num_threads(1)
+    with RpcServer(BenchTrainer(), exposed=TRAINER_METHODS) as server:
+        conn.send((server.address, server.authkey))
+        conn.recv()  # until the bench says stop (or dies: EOFError)
+
+
+def spawn_trainer() -> tuple[mp.Process, Any, RpcClient]:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_trainer_main, args=(child,), daemon=True)
+    proc.start()
+    address, authkey = conn.recv()
+    return proc, conn, RpcClient(address, authkey, timeout_s=600)
+
+
+class RawGroup:
+    """Plain gloo broadcasts between the same two processes, beside the update's group."""
+
+    def __init__(self, trainer: RpcClient) -> None:
+        self.trainer = trainer
+        port = free_port()
+        call = threading.Thread(target=trainer.call, args=("raw_open",),
+                                kwargs=dict(master_port=port))
+        call.start()
+        self.group = init_process_group("127.0.0.1", port, 1, 2, "raw", "gloo", timeout_s=120)
+        call.join(120)
+        self.buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def round(self, sizes: list[int]) -> float:
+        """Seconds for one round of `sizes` bytes, timed on this (receiving) side from the
+        moment both sides are ready to the last byte landing."""
+        buffers = self.buffers.setdefault(
+            tuple(sizes), [torch.empty(n, dtype=torch.uint8) for n in sizes])
+        call = threading.Thread(target=self.trainer.call, args=("raw_round",),
+                                kwargs=dict(sizes=sizes))
+        call.start()
+        self.group.broadcast(torch.zeros(1))
         start = time.perf_counter()
         for buf in buffers:
-            group.broadcast(buf)
-        times.append(time.perf_counter() - start)
-    trainer.result(120)
-    group.destroy()
-    return times
+            self.group.broadcast(buf)
+        seconds = time.perf_counter() - start
+        call.join(120)
+        return seconds
+
+    def close(self) -> None:
+        call = threading.Thread(target=self.trainer.call, args=("raw_close",))
+        call.start()
+        self.group.destroy()
+        call.join(120)
 
 
-def measure_updates(engine: Engine, trainer: TrainerProcess, load_format: str | None,
-                    repeats: int) -> tuple[list[float], list[float]]:
-    """(end-to-end seconds at the trainer, seconds inside the engine's commit) per update."""
-    e2e, commit = [], []
-    for _ in range(repeats):
-        out = trainer.call("send", wait_s=300, key="w", load_format=load_format)
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+class Update:
+    """One measured update: e2e at the trainer, the engine's stages, the RSS it cost."""
+
+    def __init__(self, engine: Engine, trainer: RpcClient, **kwargs: Any) -> None:
+        before = _status_mb("VmRSS")
+        peak_ok = _reset_peak_rss()
+        out = trainer.call("send", **kwargs)
         assert out["replies"][0]["success"], out
-        e2e.append(out["seconds"])
-        commit.append(engine.weights.last_update_s)
-    return e2e, commit
+        self.e2e = out["seconds"]
+        self.stages = dict(getattr(engine.weights, "last_stages", {}))  # absent before 31
+        self.rss_mb = _status_mb("VmHWM") - before if peak_ok else float("nan")
+
+
+def measure(engine: Engine, trainer: RpcClient, raw: RawGroup, sizes: dict, repeats: int
+            ) -> dict[str | None, tuple[list[Update], list[float]]]:
+    """Per format, `repeats` updates and as many raw rounds, alternating: raw, update, ..."""
+    out: dict[str | None, tuple[list[Update], list[float]]] = {f: ([], []) for f in FORMATS}
+    for _ in range(repeats):
+        for f in FORMATS:
+            out[f][1].append(raw.round(sizes[f]))
+            out[f][0].append(Update(engine, trainer, load_format=f))
+    return out
 
 
 class Follower(threading.Thread):
@@ -119,7 +242,7 @@ class Follower(threading.Thread):
         return first_new - last_old
 
 
-def measure_stall(engine: Engine, trainer: TrainerProcess, mode: str, requests: int
+def measure_stall(engine: Engine, trainer: RpcClient, mode: str, requests: int
                   ) -> tuple[list[float], float]:
     """Per-request stalls and the update's end-to-end time, for one update in `mode`."""
     prompts = [engine.tokenizer.encode(f"Write a long story about dragon number {i}.")
@@ -130,62 +253,84 @@ def measure_stall(engine: Engine, trainer: TrainerProcess, mode: str, requests: 
         f.start()
     for f in followers:
         f.started.wait(120)
-    out = trainer.call("send", wait_s=300, key="w", load_format="flattened_bucket",
-                       pause_mode=mode)
+    out = trainer.call("send", load_format="flattened_bucket", pause_mode=mode)
     for f in followers:
         f.join(120)
     return [f.stall() for f in followers], out["seconds"]
 
 
+def print_stages(rows: list[tuple[str, list[Update], list[float]]]) -> None:
+    stages: list[str] = []
+    for _, updates, _ in rows:
+        for u in updates:
+            stages += [s for s in u.stages if s not in stages]
+    print("\nwhere an update's time goes (median s per stage; 'rpc+sender' = e2e minus the "
+          "engine's stages)")
+    print(f"{'load_format':<18}" + "".join(f"{s:>10}" for s in stages)
+          + f"{'rpc+sender':>12}{'e2e':>8}{'raw':>8}")
+    for name, updates, raw_s in rows:
+        cells = [statistics.median(u.stages.get(s, 0.0) for u in updates) for s in stages]
+        rest = statistics.median(u.e2e - sum(u.stages.values()) for u in updates)
+        e2e = statistics.median(u.e2e for u in updates)
+        print(f"{name:<18}" + "".join(f"{c:>10.3f}" for c in cells)
+              + f"{rest:>12.3f}{e2e:>8.3f}{statistics.median(raw_s):>8.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=32)
     parser.add_argument("--stall-requests", type=int, default=4)
+    parser.add_argument("--staging", default=None, choices=("standby", "none"),
+                        help="the engine's weight_staging (default: the engine's default)")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
     bucket_bytes = args.bucket_mb << 20
-    specs = tensor_specs(path)
+    proc, conn, trainer = spawn_trainer()
+    shapes = trainer.call("load", model_path=path, seed=1, scale=0.02)
+    specs = [(n, torch.float32, tuple(s)) for n, s in shapes]
     total = sum(torch.Size(s).numel() * 4 for _, _, s in specs)
-    engine = Engine(path, dtype="float32", max_total_tokens=16384, weight_update_timeout_s=300)
-    trainer = TrainerProcess()
-    trainer.call("load", wait_s=300, key="w", model_path=path, seed=1, scale=0.02)
+    staging = {} if args.staging is None else {"weight_staging": args.staging}
+    engine = Engine(path, dtype="float32", max_total_tokens=16384, weight_update_timeout_s=300,
+                    **staging)
     print(f"model: {path}, {len(specs)} tensors, {total / 1e6:.0f} MB fp32; "
-          f"bucket {args.bucket_mb} MB; torch threads {torch.get_num_threads()}; "
-          f"median of {args.repeats}")
+          f"bucket {args.bucket_mb} MB; staging {args.staging or 'default'}; torch threads "
+          f"{torch.get_num_threads()}; median of {args.repeats}")
 
-    per_tensor = [torch.Size(s).numel() * 4 for _, _, s in specs]
-    per_bucket = [b.nbytes for b in plan_buckets(specs, bucket_bytes)]
-    raw = {None: raw_broadcast(trainer, per_tensor, args.repeats),
-           "flattened_bucket": raw_broadcast(trainer, per_bucket, args.repeats)}
-    raw_one = raw_broadcast(trainer, [total], args.repeats)
-
+    sizes = {None: [torch.Size(s).numel() * 4 for _, _, s in specs],
+             "flattened_bucket": [b.nbytes for b in plan_buckets(specs, bucket_bytes)]}
+    raw = RawGroup(trainer)
+    raw_one = [raw.round([total]) for _ in range(args.repeats)]
     server = RpcServer(engine)
     trainer.call("connect", address=server.address, authkey=server.authkey,
                  master_port=free_port(), bucket_bytes=bucket_bytes, timeout_s=300)
-    rows = []
-    for load_format in FORMATS:
-        e2e, commit = measure_updates(engine, trainer, load_format, args.repeats)
-        rows.append((str(load_format), statistics.median(e2e), statistics.median(commit),
-                     statistics.median(raw[load_format])))
+    measured = measure(engine, trainer, raw, sizes, args.repeats)
+    rows = [(str(f), *measured[f]) for f in FORMATS]
+    raw.close()
     stalls = {mode: measure_stall(engine, trainer, mode, args.stall_requests)
               for mode in PAUSE_MODES}
     repack_s = engine.scheduler.runner.last_pack_s
     trainer.call("close")
     server.close()
-    trainer.close()
+    conn.send("stop")
+    proc.join(30)
     engine.shutdown()
 
     print(f"\nraw gloo broadcast, one {total / 1e6:.0f} MB buffer: "
           f"{statistics.median(raw_one):.3f} s ({total / statistics.median(raw_one) / 1e9:.2f} "
-          f"GB/s); per tensor ({len(per_tensor)} messages) / per bucket ({len(per_bucket)})"
-          " below")
-    print(f"\n{'load_format':<18}{'e2e s':>8}{'GB/s':>7}{'commit s':>10}{'raw s':>8}"
-          f"{'raw GB/s':>9}{'e2e/raw':>9}")
-    for name, e2e, commit, raw_s in rows:
-        print(f"{name:<18}{e2e:>8.3f}{total / e2e / 1e9:>7.2f}{commit:>10.3f}{raw_s:>8.3f}"
-              f"{total / raw_s / 1e9:>9.2f}{e2e / raw_s:>9.2f}")
+          f"GB/s); per tensor ({len(sizes[None])} messages) / per bucket "
+          f"({len(sizes['flattened_bucket'])}) below, each update right after a raw round")
+    print(f"\n{'load_format':<18}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
+          f"{'e2e/raw':>9}{'pairs':>20}{'RSS +MB first':>15}{'later':>7}")
+    for name, updates, raws in rows:
+        e2e, raw_s = statistics.median(u.e2e for u in updates), statistics.median(raws)
+        pairs = sorted(u.e2e / r for u, r in zip(updates, raws))
+        later = statistics.median(u.rss_mb for u in updates[1:]) if len(updates) > 1 else 0.0
+        print(f"{name:<18}{e2e:>8.3f}{total / e2e / 1e9:>7.2f}{raw_s:>8.3f}"
+              f"{total / raw_s / 1e9:>9.2f}{e2e / raw_s:>9.2f}"
+              f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>20}{updates[0].rss_mb:>15.0f}{later:>7.0f}")
+    print_stages(rows)
     print(f"\nstall of {args.stall_requests} streaming requests per pause mode "
           "(flattened_bucket; last old-version token -> first new-version token)")
     print(f"{'pause_mode':<12}{'update s':>10}{'stall median':>14}{'stall max':>11}"

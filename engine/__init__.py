@@ -1,10 +1,11 @@
-"""hotswap.engine: the rollout engine (Engine in-process, RemoteEngine over HTTP)."""
+"""hotswap.engine: the rollout engine (Engine in-process, RemoteEngine over HTTP), both an
+EngineClient (docs/api.md#one-interface)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "RemoteEngine", "Router"]
+__all__ = ["Engine", "EngineClient", "RemoteEngine"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,8 +18,8 @@ def __getattr__(name: str) -> Any:
         from hotswap.engine.client.remote import RemoteEngine
 
         return RemoteEngine
-    if name == "Router":
-        from hotswap.engine.server.router import Router
+    if name == "EngineClient":
+        from hotswap.engine.client.protocol import EngineClient
 
-        return Router
+        return EngineClient
     raise AttributeError(name)

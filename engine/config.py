@@ -118,6 +118,9 @@ class EngineConfig:
     weight_update_timeout_s: float = 300.0
     # Refuse weight updates holding NaN or inf before any write (one extra pass over the data).
     check_weights_finite: bool = True
+    # Distributed updates: "standby" receives beside the live weights (one extra copy of them,
+    # kept) and swaps them in at commit; "none" receives in place (engine/weights/receive.py).
+    weight_staging: str = "standby"
     # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
     # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
     pack_weights: bool = True
@@ -156,9 +159,7 @@ class EngineConfig:
             logger.info("dtype='auto' -> %s: %s", dtype, why)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-        backend = self.attention_backend
-        if backend == "auto":
-            backend = _auto_attention_backend(device)
+        backend = resolve_attention_backend(self.attention_backend, device, dtype)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in ("lpm", "fcfs"):
@@ -228,11 +229,38 @@ def read_cpu_flags() -> set[str]:
     return set()
 
 
-def _auto_attention_backend(device: str) -> str:
+# Backends whose kernels exist only for some KV dtypes (flashinfer has no float32 kernels).
+BACKEND_DTYPES = {"flashinfer": ("float16", "bfloat16")}
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+
+
+def resolve_attention_backend(backend: str, device: str, dtype: str) -> str:
+    """"auto": flashinfer on CUDA where it imports and has kernels for the dtype, else Triton
+    (float32 included), else torch; on CPU torch. An explicit choice is checked against the
+    dtype here, so a float32 engine never fails later inside the backend's constructor."""
+    if backend == "auto":
+        return _auto_attention_backend(device, dtype)
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, "
+                         f"got {backend!r}")
+    if dtype not in BACKEND_DTYPES.get(backend, (dtype,)):
+        raise ValueError(f"attention_backend={backend!r} supports dtype "
+                         f"{' or '.join(BACKEND_DTYPES[backend])}, not {dtype}; use "
+                         "attention_backend='triton' or 'torch' (or 'auto')")
+    return backend
+
+
+def _auto_attention_backend(device: str, dtype: str) -> str:
     if device != "cuda":
         return "torch"
+    if dtype in BACKEND_DTYPES["flashinfer"] and _importable("flashinfer"):
+        return "flashinfer"
+    return "triton" if _importable("triton") else "torch"
+
+
+def _importable(module: str) -> bool:
     try:
-        import flashinfer  # noqa: F401
+        __import__(module)
     except ImportError:
-        return "torch"
-    return "flashinfer"
+        return False
+    return True

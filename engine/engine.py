@@ -1,4 +1,5 @@
-"""Engine: the in-process API (API.md section 1) over the scheduler thread."""
+"""Engine: the in-process implementation of EngineClient (docs/api.md#engine), over the
+scheduler thread."""
 
 from __future__ import annotations
 
@@ -9,29 +10,31 @@ import json
 import os
 import queue
 import threading
-import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from transformers import AutoTokenizer
 
+from hotswap.engine.client.protocol import (
+    EngineClient,
+    check_pause_mode,
+    memory_tags,
+    resolve_commit,
+)
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.request import Req
-from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.distributed.launch import make_runner, resolve_launch
 from hotswap.engine.lora.manager import LoRAManager
+from hotswap.engine.request_builder import RequestBuilder
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.prepared import PreparedUpdate
-from hotswap.engine.weights.weight_manager import PAUSE_MODES, WeightManager
+from hotswap.engine.weights.weight_manager import WeightManager
 from hotswap.weight_sync.serialize import deserialize_named_tensors
 
-_MEMORY_TAGS = ("weights", "kv_cache")
 
-
-class Engine:
+class Engine(EngineClient):
     def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto",
                  max_total_tokens: int | None = None, page_size: int = 1,
                  max_running_requests: int = 256, chunked_prefill_size: int = 2048,
@@ -59,6 +62,10 @@ class Engine:
         self.weights.attach(self.scheduler)
         self.prepared = PreparedUpdate(self.weights)
         self.loras.attach(self.scheduler)
+        self.requests = RequestBuilder(
+            self.tokenizer, model_config.vocab_size, self.config.context_length,
+            self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
+            self.loras.check_name)
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
         # daemon) may be inside a step: the interpreter then ends that thread inside torch's C++
@@ -77,12 +84,6 @@ class Engine:
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         return ids
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
     def shutdown(self) -> None:
         atexit.unregister(self._at_exit)
         self.scheduler.shutdown()
@@ -99,7 +100,7 @@ class Engine:
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
                  stream: bool = False) -> dict | list[dict] | Iterator[dict]:
         """Outputs in the order given, samples of a prompt adjacent; a dict for one prompt, n=1."""
-        reqs, single = self._make_requests(prompt, input_ids, messages, sampling_params,
+        reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
                                            return_logprob, top_logprobs_num, lora_name,
                                            cache_salt, rid, stream)
         events: queue.Queue[dict] = queue.Queue()
@@ -136,7 +137,7 @@ class Engine:
                              cache_salt: str | list[str] | None = None,
                              rid: str | list[str] | None = None,
                              stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
-        reqs, single = self._make_requests(prompt, input_ids, messages, sampling_params,
+        reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
                                            return_logprob, top_logprobs_num, lora_name,
                                            cache_salt, rid, stream)
         loop = asyncio.get_running_loop()
@@ -170,105 +171,15 @@ class Engine:
                 if not req.finished:
                     self.abort_request(req.rid)
 
-    def _make_requests(self, prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
-                       return_logprob: bool, top_logprobs_num: int, lora_name: Any,
-                       cache_salt: Any, rid: Any, stream: bool) -> tuple[list[Req], bool]:
-        """Validate and tokenize everything first: a bad input raises before anything runs."""
+    def _check_servable(self) -> None:
         self.weights.check_servable()
         self.runner.check_alive()
-        prompts, single = self._prompt_ids(prompt, input_ids, messages)
-        count = len(prompts)
-        params = _per_prompt(sampling_params, count, "sampling_params", dict)
-        salts = _per_prompt(cache_salt, count, "cache_salt", str)
-        loras = _per_prompt(lora_name, count, "lora_name", str)
-        rids = _per_prompt(rid, count, "rid", str)
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
-            raise ValueError("top_logprobs_num must be an integer in [0, 100]")
-        if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
-            raise ValueError("rid values must be unique")
-        reqs = []
-        for ids, p, salt, lora, r in zip(prompts, params, salts, loras, rids):
-            sp = SamplingParams.from_dict(p)
-            self._check_request(ids, sp, lora)
-            grammar_job = self.scheduler.grammars.request_grammar(sp)  # ValueError if bad
-            base = r or uuid.uuid4().hex
-            leader = None
-            for k in range(sp.n):
-                reqs.append(Req(
-                    rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
-                    params=sp.for_sample(k), return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num, cache_salt=salt, lora_name=lora,
-                    stream=stream, group_leader=leader, created=time.perf_counter(),
-                    grammar=self.scheduler.grammars.for_sample(grammar_job)))
-                leader = leader or reqs[-1]
-        return reqs, single and len(reqs) == 1
-
-    def _prompt_ids(self, prompt: Any, input_ids: Any, messages: Any
-                    ) -> tuple[list[list[int]], bool]:
-        given = [x is not None for x in (prompt, input_ids, messages)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, input_ids, messages")
-        if prompt is not None:
-            if isinstance(prompt, str):
-                return [self._encode(prompt)], True
-            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                return [self._encode(p) for p in prompt], False
-            raise ValueError("prompt must be a non-empty str or a non-empty list of str")
-        if input_ids is not None:
-            if isinstance(input_ids, list) and input_ids and all(
-                    isinstance(t, int) for t in input_ids):
-                return [list(input_ids)], True
-            if isinstance(input_ids, list) and input_ids and all(
-                    isinstance(x, list) and all(isinstance(t, int) for t in x)
-                    for x in input_ids):
-                return [list(x) for x in input_ids], False
-            raise ValueError("input_ids must be a non-empty list of int or a list of such lists")
-        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-            return [self._chat(messages)], True
-        if isinstance(messages, list) and messages and all(
-                isinstance(c, list) and c and all(isinstance(m, dict) for m in c)
-                for c in messages):
-            return [self._chat(c) for c in messages], False
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, "
-                         "or a list of such lists")
-
-    def _encode(self, text: str) -> list[int]:
-        if not text:
-            raise ValueError("prompt is empty")
-        return self.tokenizer.encode(text)
-
-    def _chat(self, conversation: list[dict]) -> list[int]:
-        for m in conversation:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError("each message needs a string 'role' and a string 'content'")
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; use prompt=")
-        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
-                                                 add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    def _check_request(self, ids: list[int], sp: SamplingParams, lora: str | None) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"input_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-        context = self.config.context_length
-        if len(ids) >= context:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {context}")
-        if len(ids) + 1 > self.runner.allocator.size:
-            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
-                             f"{self.runner.allocator.size}")
-        sp.check_vocab(vocab)
-        self.loras.check_name(lora)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         self.scheduler.abort(rid, abort_all)
 
     def pause_generation(self, mode: str = "retract") -> dict:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        out = self.scheduler.pause(mode)
+        out = self.scheduler.pause(check_pause_mode(mode, "mode"))
         if self.weights.stage is not None:  # the user's pause outlives the staged update
             self.weights.stage.was_paused = True
         return out
@@ -298,7 +209,7 @@ class Engine:
         weights lose their values (adapters keep theirs on the host):
         after resume_memory_occupation, generation is refused until an update rewrites every
         tensor. Requests sent while the KV cache is released wait for its resume."""
-        tags = _memory_tags(tags)
+        tags = memory_tags(tags)
         return self.scheduler.run(lambda: self._release_memory(tags))
 
     def _release_memory(self, tags: list[str]) -> dict:
@@ -314,7 +225,7 @@ class Engine:
         return out
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        tags = _memory_tags(tags)
+        tags = memory_tags(tags)
         return self.scheduler.run(lambda: self._resume_memory(tags))
 
     def _resume_memory(self, tags: list[str]) -> dict:
@@ -326,35 +237,34 @@ class Engine:
     def get_weight_version(self) -> str:
         return self.weights.version
 
-    # `flush_cache`, on the update calls (and in the server's bodies and RemoteEngine), is
-    # accepted for SGLang's positional order and otherwise ignored: every commit retires all KV
-    # of older versions and frees it at once, so there is nothing left for a flush to drop.
+    # `flush_cache` on the update calls only decides what commit=None means (resolve_commit):
+    # every commit retires all KV of older versions and frees it, so a flush has nothing to drop.
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract", commit: bool = True) -> dict:
-        """named_tensors: (HF name, tensor) pairs or a dict; a subset of the weights is fine.
-        Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped.
-        commit=False stages the tensors: generation is held and the version stays until
-        commit_weight_update() (or a later call with commit=True) makes them one version."""
+                                   pause_mode: str = "retract",
+                                   commit: bool | None = None) -> dict:
+        """Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped. A staged
+        update (commit=False) holds generation and keeps the version until
+        commit_weight_update() (or a later call that commits) makes it one version."""
         _check_direct_format(load_format)
-        return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode, commit)
+        return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode,
+                                               resolve_commit(commit, flush_cache))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract", commit: bool = True) -> dict:
+                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r}: checkpoints load as safetensors")
-        return self.weights.update_from_disk(model_path, weight_version, pause_mode, commit)
+        return self.weights.update_from_disk(model_path, weight_version, pause_mode,
+                                             resolve_commit(commit, flush_cache))
 
     def update_weights_from_serialized(self, serialized_named_tensors: list[str],
                                        load_format: str | None = None, flush_cache: bool = True,
                                        *, weight_version: str | None = None,
                                        pause_mode: str = "retract",
                                        commit: bool | None = None) -> dict:
-        """HTTP's /update_weights_from_tensor: base64 safetensors (one entry per rank in SGLang;
-        every entry is applied). commit=None commits when flush_cache is true, as SGLang's
-        trainers send flush_cache=False on every bucket but the last."""
+        """Every entry is applied (SGLang sends one per trainer rank)."""
         if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
             raise ValueError("serialized_named_tensors must be a non-empty list of strings")
         _check_direct_format(None if load_format == "flattened_bucket" else load_format)
@@ -363,7 +273,7 @@ class Engine:
             named.update(deserialize_named_tensors(data))
         return self.update_weights_from_tensor(
             named, None, flush_cache, weight_version=weight_version, pause_mode=pause_mode,
-            commit=flush_cache if commit is None else commit)
+            commit=commit)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         """Relabel the serving weights (SGLang's route): new requests and their cache namespace
@@ -400,7 +310,7 @@ class Engine:
                                         load_format: str | None = None, *,
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
-                                        commit: bool = True,
+                                        commit: bool | None = None,
                                         lora_name: str | None = None) -> dict:
         """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
         it (bumping its version); the base weights and their version are untouched."""
@@ -412,8 +322,8 @@ class Engine:
             return self.loras.update_from_distributed(
                 lora_name, group, names, dtypes, shapes, load_format, pause_mode)
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
-                                                    weight_version, pause_mode,
-                                                    load_format, commit)
+                                                    weight_version, pause_mode, load_format,
+                                                    resolve_commit(commit, flush_cache))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
@@ -465,6 +375,11 @@ class Engine:
         """Loaded adapters and their versions."""
         return {name: a.version for name, a in self.loras.adapters.items()}
 
+    def get_load(self) -> dict[str, Any]:
+        """Requests running, waiting, forked and compiling, KV tokens used, cached and in the
+        pool, and running token totals; read at once, without waiting for a step."""
+        return self.scheduler.load().to_dict()
+
     def check_integrity(self) -> None:
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
         self.scheduler.check_integrity()
@@ -476,14 +391,6 @@ def _check_direct_format(load_format: str | None) -> None:
     if load_format not in (None, "direct"):
         raise ValueError(f"load_format {load_format!r}: the Engine takes named tensors "
                          "(None); hotswap.trainers_adapters.sglang unpacks flattened buckets")
-
-
-def _memory_tags(tags: list[str] | None) -> list[str]:
-    if tags is None:
-        return list(_MEMORY_TAGS)
-    if not isinstance(tags, list) or not tags or any(t not in _MEMORY_TAGS for t in tags):
-        raise ValueError(f"tags must be a non-empty list drawn from {list(_MEMORY_TAGS)}")
-    return tags
 
 
 def _shutdown_if_alive(ref: weakref.ref[Engine]) -> None:
@@ -516,12 +423,3 @@ def _in_own_thread(fn: Callable[[], Any]) -> Any:
     if errors:
         raise errors[0]
     return result[0]
-
-
-def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
-    if value is None or isinstance(value, kind):
-        return [value] * count
-    if isinstance(value, list) and len(value) == count and all(
-            v is None or isinstance(v, kind) for v in value):
-        return list(value)
-    raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")

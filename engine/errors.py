@@ -1,4 +1,4 @@
-"""Every public exception of hotswap.engine. Bad input is a plain ValueError (API.md section 8)."""
+"""Every public exception of hotswap.engine; bad input is a ValueError (docs/api.md#errors)."""
 
 from __future__ import annotations
 

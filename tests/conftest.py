@@ -108,3 +108,63 @@ def write_tiny_chat_model(path: str, arch: str = "llama", seed: int = 0, **overr
 @pytest.fixture(scope="session")
 def tiny_chat_model_path(tmp_path_factory) -> str:
     return write_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
+
+
+# The HTTP server tests (tests/engine/server): one tiny chat model (fixtures.py's trained
+# tokenizer, no download) and one server with an API key and an admin key per test module, on a
+# free localhost port. Keys and requests are in fixtures.py. fixtures.py imports this module, so
+# these fixtures import it when they run.
+
+
+@pytest.fixture(scope="module")
+def api_model_path(tmp_path_factory) -> str:
+    from fixtures import write_tiny_chat_model as write_trained_tokenizer_chat_model
+
+    return write_trained_tokenizer_chat_model(str(tmp_path_factory.mktemp("chat")))
+
+
+@pytest.fixture(scope="module")
+def api_engine(api_model_path):
+    from hotswap.engine import Engine
+
+    with Engine(api_model_path, device="cpu", max_total_tokens=16384) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def api_server(api_engine):
+    from fixtures import ADMIN_KEY, API_KEY, serve
+
+    with serve(api_engine, api_key=API_KEY, admin_key=ADMIN_KEY, max_body_bytes=1 << 20) as srv:
+        yield srv
+
+
+@pytest.fixture
+def api_client(api_server):
+    """The official OpenAI client, with the API key."""
+    import openai
+    from fixtures import API_KEY
+
+    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def api_admin(api_server):
+    """An httpx client with the admin key."""
+    import httpx
+    from fixtures import ADMIN_KEY
+
+    with httpx.Client(base_url=api_server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture
+def api_user(api_server):
+    """An httpx client with the API key."""
+    import httpx
+    from fixtures import API_KEY
+
+    with httpx.Client(base_url=api_server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c

@@ -1,4 +1,4 @@
-"""A hotswap OpenRLHF rollout actor in its own process, reachable through tests/rpc_proxy.py.
+"""A hotswap OpenRLHF rollout actor in its own process, reachable through hotswap.weight_sync.rpc.
 
 It stands in for the Ray actor process OpenRLHF starts per vLLM engine: argv is the model path;
 it prints one JSON line with the RPC address and key, then serves until stdin closes.
@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from rpc_proxy import RpcServer
-
 from hotswap.trainers_adapters.openrlhf import HotswapRolloutActor
+from hotswap.weight_sync.rpc import RpcServer
 
 METHODS = ("init_process_group", "update_weight", "reset_prefix_cache", "pause_generation",
            "resume_generation", "generate_ids", "get_weight_version", "sleep", "wake_up")

@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 from conftest import write_tiny_model
+
+if TYPE_CHECKING:
+    from hotswap.engine import Engine
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# The HTTP server tests (tests/engine/server): the keys their server (conftest.py's api_server)
+# is made with, and the requests they send.
+API_KEY = "test-api-key"
+ADMIN_KEY = "test-admin-key"
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Write a short poem about the sea."}]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -164,3 +179,23 @@ def wait_healthy(procs: list[subprocess.Popen], url: str, timeout_s: float = 90)
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} did not become healthy")
+
+
+def fresh(engine: Engine, fn, *args, **kwargs):
+    """Run with an empty prefix cache, so both sides of a comparison compute the same way."""
+    assert engine.flush_cache()["success"]
+    return fn(*args, **kwargs)
+
+
+def token_logprobs(out: dict) -> list[float]:
+    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll `predicate` every 10 ms until it is true (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -1,7 +1,7 @@
-"""Import direction (DESIGN.md "Layout"): read every module's imports with ast and check them.
+"""Import direction (docs/design.md#layout): read every module's imports with ast and check them.
 
 Imports under `if TYPE_CHECKING:` are annotations only and are not counted; function-local
-(lazy) imports are.
+(lazy) imports are. The cycle tests at the end count every import, TYPE_CHECKING ones included.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"engine": "hotswap.engine", "weight_sync": "hotswap.weight_sync",
-            "rollout": "hotswap.rollout", "trainers_adapters": "hotswap.trainers_adapters"}
+            "rollout": "hotswap.rollout", "trainers_adapters": "hotswap.trainers_adapters",
+            "fleet": "hotswap.fleet"}
 
 E = "hotswap.engine"
 _EXECUTOR_SIDE = (f"{E}.executor", f"{E}.attention", f"{E}.layers", f"{E}.models", f"{E}.lora",
                   f"{E}.grammar", f"{E}.distributed")
-_BASE = (f"{E}.config", f"{E}.errors", f"{E}.core")
+# The interface's rules (pause modes, MAX_N) sit in client.protocol, which imports nothing.
+_BASE = (f"{E}.config", f"{E}.errors", f"{E}.core", f"{E}.client.protocol")
 # Area (longest matching prefix wins) -> the hotswap modules it may import (prefixes).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "hotswap.weight_sync": ("hotswap.weight_sync",),
@@ -28,19 +30,24 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     f"{E}.weights": (*_BASE, f"{E}.kvcache", *_EXECUTOR_SIDE, f"{E}.weights",
                      "hotswap.weight_sync"),
     # The server talks to the Engine API only (the Engine object it is handed, public errors).
-    f"{E}.server": (f"{E}.server", f"{E}.errors", f"{E}.Engine", f"{E}.router", f"{E}.client"),
+    f"{E}.server": (f"{E}.server", f"{E}.errors", f"{E}.Engine", f"{E}.client",
+                    "hotswap.weight_sync.serialize"),
     f"{E}.client": (f"{E}.client", f"{E}.errors", "hotswap.weight_sync"),
+    f"{E}.client.protocol": (),
     f"{E}.config": (f"{E}.config", f"{E}.errors"),
     f"{E}.errors": ("hotswap.weight_sync",),
     E: (E, "hotswap.weight_sync"),  # engine.py and the package root: anything in the engine
-    "hotswap.rollout": ("hotswap.rollout", E, "hotswap.weight_sync"),
-    "hotswap.trainers_adapters": ("hotswap.trainers_adapters", "hotswap.rollout", E,
-                                  "hotswap.weight_sync"),
+    "hotswap.fleet": ("hotswap.fleet", f"{E}.client", f"{E}.errors", f"{E}.server",
+                      "hotswap.weight_sync"),
+    "hotswap.rollout": ("hotswap.rollout", "hotswap.fleet", E, "hotswap.weight_sync"),
+    "hotswap.trainers_adapters": ("hotswap.trainers_adapters", "hotswap.rollout",
+                                  "hotswap.fleet", E, "hotswap.weight_sync"),
 }
-# What engine.py and the package root may still not reach: nothing in the engine imports the server.
-FORBIDDEN_FOR_ENGINE = ("hotswap.rollout", "hotswap.trainers_adapters", f"{E}.server")
-# ...except the package root's lazy public names: `hotswap.engine.Router` lives in the server.
-PUBLIC_REEXPORTS = {E: (f"{E}.server.router",)}
+# What engine.py and the package root may still not reach: nothing in the engine imports the
+# server, and the engine never imports what is above it (trainers_adapters -> rollout -> fleet).
+FORBIDDEN_FOR_ENGINE = ("hotswap.rollout", "hotswap.trainers_adapters", "hotswap.fleet",
+                        f"{E}.server")
+PUBLIC_REEXPORTS: dict[str, tuple[str, ...]] = {}
 
 
 def module_name(path: Path) -> str:
@@ -126,3 +133,170 @@ def test_every_engine_folder_is_a_package():
     for folder in (ROOT / "engine").iterdir():
         if folder.is_dir() and folder.name != "__pycache__":
             assert (folder / "__init__.py").exists(), folder
+
+
+def _lazy_reexports(tree: ast.Module) -> dict[str, str]:
+    """A package's `__getattr__` re-exports: public name -> the module it is imported from."""
+    out: dict[str, str] = {}
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name == "__getattr__":
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    out.update({a.asname or a.name: node.module for a in node.names})
+    return out
+
+
+def _named_imports(tree: ast.AST) -> list[str]:
+    """Modules imported by name at run time: registry strings "pkg.mod:Class" (imported lazily
+    with importlib) and import_module("pkg.mod") calls."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith("hotswap.") and ":" in node.value:
+            out.append(node.value.split(":")[0])
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            out.append(str(node.args[0].value))
+    return out
+
+
+def _import_targets(tree: ast.AST, module: str, is_package: bool, modules: set[str],
+                    lazy: dict[str, dict[str, str]]) -> list[str]:
+    """Every module `module` imports, anywhere in its source. `from pkg import Name` is the
+    submodule pkg.Name, else the module pkg's lazy `__getattr__` re-exports Name from, else pkg."""
+    targets = _named_imports(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: a package resolves `.` to itself, a module to its parent
+                parts = module.split(".")
+                pkg = parts[: len(parts) - node.level + int(is_package)]
+                base = ".".join([*pkg, base] if base else pkg)
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                targets.append(sub if sub in modules else lazy.get(base, {}).get(a.name, base))
+    return targets
+
+
+def _known(name: str, modules: set[str]) -> str | None:
+    """The longest prefix of `name` that is a hotswap module (`import a.b.C` names a.b)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the hotswap modules importing it runs, over every module of the package (or
+    `sources`: module -> source). Imports under TYPE_CHECKING, function-local ones and lazy
+    registries all count. So do the parent packages of each target, whose __init__ runs first,
+    except the importer's own (already running); a package's lazy `__getattr__` counts only for
+    the names asked of it."""
+    if sources is None:
+        sources = {mod: path.read_text() for path, mod in all_modules()}
+    trees = {mod: ast.parse(src) for mod, src in sources.items()}
+    modules = set(trees)
+    packages = {m.rpartition(".")[0] for m in modules} & modules
+    lazy = {mod: _lazy_reexports(tree) for mod, tree in trees.items() if mod in packages}
+    graph: dict[str, set[str]] = {}
+    for mod, tree in trees.items():
+        edges: set[str] = set()
+        for target in _import_targets(tree, mod, mod in packages, modules, lazy):
+            found = _known(target, modules) if target.startswith("hotswap.") else None
+            if found is None:
+                continue
+            parts = found.split(".")
+            parents = (".".join(parts[:i]) for i in range(2, len(parts)))
+            edges.add(found)
+            edges.update(p for p in parents if p in packages and not mod.startswith(p + "."))
+        edges.discard(mod)
+        graph[mod] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (the shortest way back to its first module) per strongly connected component."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan; recursion depth is bounded by the module count
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set(stack[stack.index(node):])
+            del stack[stack.index(node):]
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_cycle_in(graph, component) for component in components]
+
+
+def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:  # breadth first inside the component
+        node = frontier.pop(0)
+        for nxt in sorted(graph[node] & component):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                frontier.append(nxt)
+    return sorted(component)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles (TYPE_CHECKING and function-local imports count):\n" + \
+        "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def _unit(module: str) -> str:
+    """The folder a module belongs to: hotswap.engine.<sub> inside the engine, else hotswap.<top>
+    (engine.py, config.py and errors.py are units of their own)."""
+    parts = module.split(".")
+    return ".".join(parts[:3] if parts[1] == "engine" else parts[:2])
+
+
+def test_no_import_cycles_between_folders():
+    """No two folders import each other, even through different modules (lora imported the
+    scheduler's types while the scheduler imported lora)."""
+    folders: dict[str, set[str]] = {}
+    for mod, targets in import_graph().items():
+        folders.setdefault(_unit(mod), set()).update(
+            _unit(t) for t in targets if _unit(t) != _unit(mod))
+    cycles = find_cycles(folders)
+    assert not cycles, "folders importing each other:\n" + \
+        "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_cycle_finder_counts_annotation_local_and_package_imports():
+    tc = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hotswap.x.b import B\n"
+    local = "def f():\n    from hotswap.x.a import A\n"
+    graph = import_graph({"hotswap.x": "", "hotswap.x.a": tc, "hotswap.x.b": local})
+    assert find_cycles(graph) == [["hotswap.x.a", "hotswap.x.b", "hotswap.x.a"]]
+    # an eager package __init__ is a real edge; a lazy `__getattr__` only for the names asked
+    eager = {"hotswap.p": "from hotswap.p.m import M\n", "hotswap.p.m": "",
+             "hotswap.q": "", "hotswap.q.n": "from hotswap.p.m import M\n"}
+    assert import_graph(eager)["hotswap.q.n"] == {"hotswap.p", "hotswap.p.m"}
+    eager["hotswap.p.m"] = "import hotswap.q.n\n"
+    assert find_cycles(import_graph(eager))
+    lazy = "def __getattr__(name):\n    from hotswap.p.m import M\n    return M\n"
+    sources = {"hotswap.p": lazy, "hotswap.p.m": "", "hotswap.p.k": "from hotswap.p import M\n"}
+    assert import_graph(sources)["hotswap.p.k"] == {"hotswap.p.m"}
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+    real = import_graph()
+    assert f"{E}.engine" in real[E] and f"{E}.scheduler.scheduler" in real[f"{E}.engine"]

@@ -1,8 +1,9 @@
-"""The trainer side of the multi-process weight-update tests and of bench/weight_sync.py.
+"""The trainer side of the multi-process weight-update tests.
 
 As a script, under `torchrun --standalone --nproc_per_node 2`: both ranks join the default gloo
 group; rank 0 perturbs a checkpoint and sends it with WeightSender to an engine in another
-process (reached through rpc_proxy) while that group exists, and the group still works after.
+process (reached through hotswap.weight_sync.rpc) while that group exists, and the group still
+works after.
 Prints one JSON line (rank 0).
 
 Imported: `perturbed` / `save_checkpoint` make a trainer's new weights and the reference
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from hotswap.weight_sync import WeightSender, init_process_group
 from hotswap.weight_sync.group import free_port
+from hotswap.weight_sync.rpc import EngineProxy
 
 Tensors = dict[str, torch.Tensor]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -87,8 +89,6 @@ class _Trainer:
 
     def connect(self, address: tuple[str, int], authkey: bytes, master_port: int,
                 bucket_bytes: int, timeout_s: float) -> None:
-        from rpc_proxy import EngineProxy
-
         self.proxy = EngineProxy(address, authkey, timeout_s=2 * timeout_s)
         self.sender = WeightSender("127.0.0.1", master_port, 2, backend="gloo",
                                    bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -194,8 +194,6 @@ class TrainerProcess:
 
 
 def main() -> None:
-    from rpc_proxy import EngineProxy
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--rpc-port", type=int, required=True)
     parser.add_argument("--authkey", required=True, help="hex")

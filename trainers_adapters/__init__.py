@@ -1,4 +1,4 @@
-"""hotswap.trainers_adapters: drop hotswap in where a trainer drives SGLang or vLLM (API.md 7).
+"""hotswap.trainers_adapters: for trainers that drive SGLang or vLLM (docs/rl.md#trainer-adapters).
 
 Modules: sglang (Engine), vllm (LLM, SamplingParams, RequestOutput), openrlhf (the rollout
 actor), verl (the rollout adapter, registered with verl when importable), trl (VLLMClient and a

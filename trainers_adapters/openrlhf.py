@@ -91,8 +91,11 @@ class HotswapRolloutActor:
                              outputs=[completion_output(i, o, params) for i, o in enumerate(outs)])
 
     def get_num_unfinished_requests(self) -> int:
-        sched = getattr(self.engine, "scheduler", None)
-        return 0 if sched is None else len(sched.running) + len(sched.waiting)
+        load = getattr(self.engine, "get_load", None)
+        if load is None:  # a client without an in-process scheduler: nothing is queued here
+            return 0
+        counts = load()
+        return counts["running"] + counts["waiting"] + counts["forked"] + counts["compiling"]
 
     def get_weight_version(self) -> str:
         return self.engine.get_weight_version()

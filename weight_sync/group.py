@@ -43,7 +43,7 @@ class WeightGroup:
 
     def __init__(
         self, name: str, rank: int, world_size: int, backend: str, timeout_s: float,
-        store: dist.Store, pg: dist.Backend,
+        store: dist.Store, pg: dist.Backend, device: torch.device | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -52,13 +52,12 @@ class WeightGroup:
         self.timeout_s = timeout_s
         self._store = store
         self._pg: dist.Backend | None = pg
+        self._device = device or group_device(backend)
 
     @property
     def device(self) -> torch.device:
-        """Where tensors must live to be broadcast."""
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """Where tensors must live to be broadcast: the GPU NCCL connected on, or the CPU."""
+        return self._device
 
     @property
     def alive(self) -> bool:
@@ -154,7 +153,7 @@ def init_process_group(
         _GROUPS[key] = None
     try:
         group = _create(master_address, master_port, rank, world_size, group_name, backend,
-                        timeout_s)
+                        timeout_s, group_device(backend, device))
     except BaseException:
         with _LOCK:
             _GROUPS.pop(key, None)
@@ -166,7 +165,7 @@ def init_process_group(
 
 def _create(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-    backend: str, timeout_s: float,
+    backend: str, timeout_s: float, device: torch.device,
 ) -> WeightGroup:
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
@@ -175,11 +174,23 @@ def _create(
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
-        pg = _nccl_backend(prefixed, rank, world_size, timeout_s)
-    return WeightGroup(group_name, rank, world_size, backend, timeout_s, store, pg)
+        pg = _nccl_backend(prefixed, rank, world_size, timeout_s, device)
+    return WeightGroup(group_name, rank, world_size, backend, timeout_s, store, pg, device)
 
 
-def _nccl_backend(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.Backend:
+def group_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """The CPU for gloo; for NCCL the given CUDA device, else this thread's current one (a
+    scheduler thread's current device need not be its engine's)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    cuda = torch.device(device) if device is not None else None
+    if cuda is not None and cuda.type == "cuda" and cuda.index is not None:
+        return cuda
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _nccl_backend(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                  device: torch.device) -> dist.Backend:
     from torch.distributed import ProcessGroupNCCL
 
     options = ProcessGroupNCCL.Options()
@@ -188,7 +199,7 @@ def _nccl_backend(store: dist.Store, rank: int, world_size: int, timeout_s: floa
     pg = ProcessGroupNCCL(store, rank, world_size, options)
     # NCCL connects lazily; connecting now makes a bad peer fail here, not in the first update.
     if hasattr(pg, "eager_connect_single_device"):
-        pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        pg.eager_connect_single_device(device)
     return pg
 
 

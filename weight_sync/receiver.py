@@ -98,17 +98,30 @@ def _check_into(into: Mapping[str, torch.Tensor], specs: list[TensorSpec]) -> di
 def _per_tensor(
     group: WeightGroup, specs: list[TensorSpec], out: torch.device, dests: dict
 ) -> Received:
-    done = 0
+    """Tensor k+1 is on the wire while tensor k is handed out (each has its own buffer)."""
+
+    def start(spec: TensorSpec) -> tuple[torch.Tensor, object]:
+        dest = dests.get(spec.name)
+        direct = dest is not None and dest.device == group.device
+        buf = dest if direct else _empty(spec, group.device)
+        return buf, group.broadcast_start(buf)
+
+    started, work = 0, None
     try:
-        for spec in specs:
-            dest = dests.get(spec.name)
-            direct = dest is not None and dest.device == group.device
-            buf = dest if direct else _empty(spec, group.device)
-            group.broadcast(buf)
-            done += 1
-            yield spec.name, _deliver(buf, dest, out)
+        for i, spec in enumerate(specs):
+            if started == i:
+                buf, work = start(spec)
+                started += 1
+            group.wait(work)
+            current, work = buf, None
+            if started < len(specs):
+                buf, work = start(specs[started])
+                started += 1
+            yield spec.name, _deliver(current, dests.get(spec.name), out)
     except GeneratorExit:
-        _drain(group, [Bucket(s.dtype, (s,)) for s in specs[done:]])
+        if work is not None:
+            group.wait(work)
+        _drain(group, [Bucket(s.dtype, (s,)) for s in specs[started:]])
         raise
 
 

@@ -70,6 +70,10 @@ def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     return buffer.view(-1, page_size, *buffer.shape[1:])
 
 
+def _cuda_ready(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
 def _import_flashinfer() -> Any:
     try:
         import flashinfer
@@ -85,7 +89,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, scaling: float):
         super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scaling)
-        if kv_pool.device.type != "cuda" or not torch.cuda.is_available():
+        if not _cuda_ready(kv_pool.device):
             raise RuntimeError(UNAVAILABLE)
         flashinfer = _import_flashinfer()
         if kv_pool.dtype not in (torch.float16, torch.bfloat16):

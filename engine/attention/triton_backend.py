@@ -12,24 +12,20 @@ this module is first imported.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 
 from hotswap.engine.attention import triton_kernels as kernels
 from hotswap.engine.attention.base import AttentionBackend
+from hotswap.engine.attention.triton_launch import (
+    LaunchConfig,
+    device_shared_memory,
+    gpu_launch_config,
+    interpreter_launch_config,
+)
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.kvcache.memory import KVPool
-
-
-class _LaunchConfig(NamedTuple):
-    block_m: int  # new tokens per extend tile
-    block_n: int  # keys per inner-loop step
-    block_h: int  # query heads per decode program (one kv head's group, padded for tl.dot)
-    block_d: int
-    num_warps: int
-    num_stages: int
 
 
 @dataclass
@@ -80,13 +76,11 @@ class TritonAttnBackend(AttentionBackend):
         self.target_programs = (4 * torch.cuda.get_device_properties(device).multi_processor_count
                                 if device.type == "cuda" else 1 << 30)
 
-    def _launch_config(self, device: torch.device) -> _LaunchConfig:
-        block_h = max(16, triton.next_power_of_2(self.group))  # tl.dot needs M >= 16 on GPUs
-        block_d = max(16, triton.next_power_of_2(self.head_dim))
-        if device.type != "cuda":  # interpreter: small tiles so short test rows span several
-            return _LaunchConfig(16, 16, block_h, block_d, num_warps=4, num_stages=1)
-        block_n = 64 if block_d <= 128 else 32
-        return _LaunchConfig(64, block_n, block_h, block_d, num_warps=4, num_stages=2)
+    def _launch_config(self, device: torch.device) -> LaunchConfig:
+        if device.type != "cuda":
+            return interpreter_launch_config(self.head_dim, self.group)
+        return gpu_launch_config(self.kv_pool.dtype, self.head_dim, self.group,
+                                 device_shared_memory(device))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         ext = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32)

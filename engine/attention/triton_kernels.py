@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton import knobs
+
+# triton.knobs arrived in triton 3.4, which torch 2.8 is the first to ship with.
+MIN_TRITON = "3.4"
+try:
+    from triton import knobs
+except ImportError as exc:
+    raise ImportError(f"hotswap's Triton kernels need triton>={MIN_TRITON} (torch>=2.8); found "
+                      f"triton {triton.__version__}: upgrade torch, or use "
+                      "attention_backend='torch'") from exc
 
 # Read when this module is imported, which is also when @triton.jit chooses interpreter or compiler.
 INTERPRETED: bool = bool(knobs.runtime.interpret)

@@ -1,4 +1,4 @@
-"""RemoteEngine: the Engine's methods over HTTP, against `python -m hotswap.engine.server`.
+"""RemoteEngine: EngineClient over HTTP, against `python -m hotswap.engine.server`.
 
 It duck-types as an Engine for the trainer side: WeightSender calls
 `update_weights_from_distributed` from its own thread (the call blocks until the server has
@@ -16,14 +16,15 @@ from typing import Any
 
 import httpx
 
-from hotswap.engine.errors import RemoteEngineError
+from hotswap.engine.client.protocol import EngineClient
+from hotswap.engine.errors import RemoteEngineError, WeightsIncompleteError
 from hotswap.weight_sync.serialize import serialize_named_tensors
 
 _GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
                     "top_logprobs_num", "lora_name", "cache_salt", "rid")
 
 
-class RemoteEngine:
+class RemoteEngine(EngineClient):
     def __init__(self, url: str, api_key: str | None = None, admin_key: str | None = None,
                  timeout_s: float | None = None, connect_timeout_s: float = 10.0):
         """timeout_s: per-request read limit (None: wait as long as generation takes)."""
@@ -37,12 +38,6 @@ class RemoteEngine:
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.url!r})"
-
-    def __enter__(self) -> RemoteEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     def shutdown(self) -> None:
         """Closes this client's connections; the server keeps running."""
@@ -143,21 +138,30 @@ class RemoteEngine:
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract", commit: bool = True) -> dict:
+                                   pause_mode: str = "retract",
+                                   commit: bool | None = None) -> dict:
         """The tensors travel in the body (base64 safetensors): one call per bucket; for a
         whole model prefer a WeightSender (update_weights_from_distributed)."""
+        return self.update_weights_from_serialized(
+            [serialize_named_tensors(named_tensors)], load_format, flush_cache,
+            weight_version=weight_version, pause_mode=pause_mode, commit=commit)
+
+    def update_weights_from_serialized(self, serialized_named_tensors: list[str],
+                                       load_format: str | None = None, flush_cache: bool = True,
+                                       *, weight_version: str | None = None,
+                                       pause_mode: str = "retract",
+                                       commit: bool | None = None) -> dict:
         return self._post_control(
-            "/update_weights_from_tensor",
-            serialized_named_tensors=[serialize_named_tensors(named_tensors)],
+            "/update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
             load_format=load_format, flush_cache=flush_cache, weight_version=weight_version,
             pause_mode=pause_mode, commit=commit)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract") -> dict:
+                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
         return self._post_control("/update_weights_from_disk", model_path=model_path,
                                   load_format=load_format, weight_version=weight_version,
-                                  flush_cache=flush_cache, pause_mode=pause_mode)
+                                  flush_cache=flush_cache, pause_mode=pause_mode, commit=commit)
 
     def commit_weight_update(self, weight_version: str | None = None) -> dict:
         return self._post_control("/commit_weight_update", weight_version=weight_version)
@@ -193,7 +197,7 @@ class RemoteEngine:
                                         load_format: str | None = None, *,
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
-                                        commit: bool = True,
+                                        commit: bool | None = None,
                                         lora_name: str | None = None) -> dict:
         extra = {} if lora_name is None else {"lora_name": lora_name}
         return self._post_control(
@@ -250,8 +254,20 @@ class RemoteEngine:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return self._post_control("/resume_memory_occupation", tags=tags)
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
-        return self._post_control("/load_lora_adapter", lora_name=lora_name, lora_path=lora_path)
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                          pause_mode: str = "retract") -> dict:
+        return self._post_control("/load_lora_adapter", lora_name=lora_name, lora_path=lora_path,
+                                  pause_mode=pause_mode)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
+                                       *, pause_mode: str = "retract") -> dict:
+        return self._post_control(
+            "/load_lora_adapter_from_tensors", lora_name=lora_name,
+            serialized_tensors=serialize_named_tensors(tensors), config_dict=config_dict,
+            pause_mode=pause_mode)
+
+    def list_lora_adapters(self) -> dict[str, int]:
+        return self._call("GET", "/list_lora_adapters")
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         return self._post_control("/unload_lora_adapter", lora_name=lora_name)
@@ -285,11 +301,14 @@ def _raise_for_error(status: int, content: bytes) -> None:
     if status < 400:
         return
     try:
-        message = json.loads(content)["error"]["message"]
+        error = json.loads(content)["error"]
+        message, kind = error["message"], error.get("type")
     except (ValueError, KeyError, TypeError):
-        message = content.decode("utf-8", "replace")[:1000]
+        message, kind = content.decode("utf-8", "replace")[:1000], None
     if status == 400:
         raise ValueError(message)
     if status in (401, 403):
         raise PermissionError(message)
+    if kind == "weights_incomplete":  # what the in-process Engine raises for the same state
+        raise WeightsIncompleteError(message)
     raise RemoteEngineError(status, message)

@@ -10,15 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # a type only: the tree lives in kvcache, which imports core
-    from hotswap.engine.kvcache.radix_cache import TreeNode
+
+class PrefixLock(Protocol):
+    """The radix-tree node whose lock pins a request's borrowed prefix (kvcache's TreeNode).
+    Declared here because kvcache imports core: core never imports kvcache."""
+
+    lock_ref: int
 
 
 @dataclass
@@ -93,7 +97,7 @@ class Req:
     req_pool_idx: int | None = None
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     tree_prefix_len: int = 0  # leading kv_slots owned by the radix tree (locked via last_node)
-    last_node: TreeNode | None = None
+    last_node: PrefixLock | None = None
     prefill_done: bool = False
     admit_seq: int = 0
     detok: IncrementalDetokenizer | None = None

@@ -1,4 +1,4 @@
-"""SamplingParams: every sampling key of API.md, validated on construction.
+"""SamplingParams: every key of docs/api.md#sampling-parameters, validated on construction.
 
 Bad values raise ValueError naming the field; normal forms (tuples, int token ids, a JSON string
 for json_schema) make params hashable and comparable.
@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from itertools import chain
 from typing import Any
 
-MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
+from hotswap.engine.client.protocol import MAX_N
+
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for frequency/presence penalties
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are treated as 0 (dividing by them overflows)
 LOGPROB_MODES = ("processed", "raw")

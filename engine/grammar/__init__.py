@@ -1,7 +1,8 @@
 """Grammar-constrained decoding: backends by name (lazy imports), compile cache, per-sample state.
 
 The scheduler holds one GrammarManager; each constrained Req carries a RequestGrammar (its
-compile job, then its matcher); the sampler applies the step's bitmask (executor/sampling.py).
+compile job, then its matcher); the step's bitmask is applied before sampling
+(executor/sampling_batch_info.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Radix prefix cache: (namespace, token sequence) -> KV slots, with lock refs and LRU eviction.
 
-Invariants (DESIGN.md), kept here and checked by `check_integrity`:
+Invariants (docs/design.md#invariants), kept here and checked by `check_integrity`:
 1. Namespaces. Each Namespace has its own tree, so KV is shared only between equal namespaces. A
    retired namespace never matches and is never stored again; its unlocked nodes are freed at
    once, its locked ones when their last lock drops.

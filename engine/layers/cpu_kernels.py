@@ -1,12 +1,14 @@
-"""Fused CPU kernels (cpu_kernels.cpp), float32 and bfloat16: paged decode attention, in-place
-rotary, SiLU-and-multiply, a whole decoder layer for decode-only steps, and the float32 lm_head
-of a bf16 model from its bf16 weights (AMX matmuls of an exact split where the CPU has AMX, a
-float32 x bf16 matrix-vector product at batch 1 elsewhere).
+"""Fused CPU kernels (csrc/, one source per op family), float32 and bfloat16: paged decode
+attention (attention.cpp), in-place rotary (rope.cpp), RMSNorm (norm.cpp), SiLU-and-multiply
+(activation.cpp), a small-batch matmul over bf16 weights (small_linear.cpp), the float32 lm_head
+of a bf16 model as AMX matmuls of an exact split (head.cpp), sampling (sampling.cpp), and every
+decoder layer of a decode-only step in one call (decode_layer.cpp); bindings.cpp registers them
+as torch.ops.hotswap.*.
 
 Without them a decode layer is ~25 torch ops whose dispatch and extra passes cost more than its
 matmuls at batch 1, and decode attention gathers every row's keys into a padded copy first. The
-kernels are compiled once per machine on first use (a C++ compiler and ninja; ~10 s) into
-torch's extension cache, under a name that carries the CPU's flags, since they are built for
+kernels are compiled once per machine on first use (a C++ compiler and ninja, a minute or two)
+into torch's extension cache, under a name that carries the CPU's flags, since they are built for
 the CPU they run on. Where they cannot be built, or with HOTSWAP_CPU_KERNELS=0, the torch-ops
 path runs instead (the same math, more ops) and the reason is logged once.
 """
@@ -18,14 +20,17 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16)
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# Beside this file in a checkout and in an installed package alike (pyproject's package-data).
+SOURCE_DIR = Path(__file__).with_name("csrc")
 _loaded: bool | None = None  # None: not tried yet
 STALE_LOCK_S = 600
 
@@ -56,13 +61,21 @@ def _build() -> bool:
     start = time.perf_counter()
     try:
         _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        load(name, [str(_SOURCE)], is_python_module=False,
+        load(name, _sources(), is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a compiler error, a missing header: fall back, say why
         logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
         return False
     logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
     return True
+
+
+def _sources() -> list[str]:
+    """The .cpp files to compile (their headers are found beside them)."""
+    sources = sorted(str(p) for p in SOURCE_DIR.glob("*.cpp"))
+    if not sources:
+        raise FileNotFoundError(f"no kernel sources in {SOURCE_DIR}")
+    return sources
 
 
 def _drop_stale_lock(lock: Path) -> None:
@@ -140,11 +153,41 @@ def head_pack(weight: torch.Tensor) -> torch.Tensor:
 def head_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 packed: torch.Tensor, vocab: int) -> torch.Tensor:
     """Float32 logits [m, vocab] of bf16 hidden states [m, k]: the final RMSNorm and the lm_head
-    with float32 products and sums, from two exact bf16 parts of the normed state (see the .cpp)."""
+    with float32 products and sums, from two exact bf16 parts of the normed state
+    (csrc/head.cpp)."""
     return torch.ops.hotswap.head_logits(hidden, norm_weight, eps, packed, vocab)
 
 
-def decode_layers(x: torch.Tensor, *args) -> torch.Tensor:
-    """Every decoder layer of a decode-only batch in one call (see decode_layers in the .cpp for
-    the arguments); models/llama.py's LlamaModel passes them."""
-    return torch.ops.hotswap.decode_layers(x, *args)
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights as linear.py's linear() multiplies them on the path of the
+    DecodeLayers that holds them (the packed copy where there is one, except on SMALL)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def decode_stack(layers: Iterable[LayerWeights], eps: float, path: int, num_heads: int
+                 ) -> torch.ScriptObject:
+    """A model's decoder layers for decode_layers (a torch.classes.hotswap.DecodeLayers): built
+    once per set of weights, it holds references to them, so whoever replaces a weight tensor
+    or its packed copy builds a new one. `path` is linear.py's ATEN, ONEDNN or SMALL."""
+    stack = torch.classes.hotswap.DecodeLayers(eps, path, num_heads)
+    for layer in layers:
+        stack.add_layer(*layer)
+    return stack
+
+
+def decode_layers(x: torch.Tensor, stack: torch.ScriptObject, k_bufs: list[torch.Tensor],
+                  v_bufs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  loc: torch.Tensor, req_to_token: torch.Tensor, req_idx: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every decoder layer of `stack` over a decode-only batch x [n, hidden] in one call: each
+    layer writes its K/V at slots loc [n] of k_bufs[i] / v_bufs[i] and attends as
+    decode_attention does; cos, sin are the step's rotary tables as rotary_ takes them. The
+    profiler sees the call as hotswap::decode_layers, each layer as hotswap::decode_layer."""
+    return stack.forward(x, k_bufs, v_bufs, cos, sin, loc, req_to_token, req_idx, seq_lens, scale)

@@ -1,22 +1,17 @@
 """Linear layers. On CPU in float32 (and in bfloat16 where the CPU has AVX512-BF16 or AMX) they
-run oneDNN's matmul instead of the default BLAS path:
-measured here (AVX-512 EPYC, 2 threads) the SmolLM2 projections at batch 64 take 43 ms instead
-of 82 ms for all 30 layers, and the 49k-row lm_head 10.7 ms instead of 26 ms, with fp32
-results (max error 5e-6 on unit-scale outputs, as BLAS). Elsewhere: F.linear.
-In bf16 a packed weight matters more: the 64-row projections take 1.4-1.6x less time packed
-than through F.linear, the lm_head 2.2x less (one thread, this machine).
+run oneDNN's matmul instead of the default BLAS path, faster at the decode shapes with the same
+float32 accuracy as BLAS (docs/performance.md). Elsewhere: F.linear.
 
 A weight can also be packed: a copy reordered once into oneDNN's blocked layout, which the
-matmul then reads without converting it on every call (37 ms instead of 43 ms for the 30
-layers above, 8.2 ms instead of 10 ms for the lm_head). A pack is a cache of its weight; the
-ModelRunner rebuilds packs whenever the weights change and never uses a stale one.
+matmul then reads without converting it on every call (it matters most in bf16). A pack is a
+cache of its weight; the ModelRunner rebuilds packs whenever the weights change and never uses
+a stale one.
 
 A bf16 step of at most SMALL_ROWS rows (where a step only streams the weights: batch 1, the
 tail of a rollout) takes cpu_kernels.small_linear instead, a matrix-vector kernel over the
-plain bf16 weights that asks for them ahead of use: SmolLM2's 30 layers and head read at
-16.9 GB/s at 1 row and 13.1 at 4 against oneDNN's 9.3 at 1 (Xeon, 2 threads). Its float32
-sums run in another order than oneDNN's, so a bf16 row's last bits differ between a step of
-up to SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
+plain bf16 weights that asks for them ahead of use and so streams them faster than oneDNN. Its
+float32 sums run in another order than oneDNN's, so a bf16 row's last bits differ between a
+step of up to SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
 """
 
 from __future__ import annotations
@@ -71,11 +66,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 # How linear() multiplies (cpu_kernels.decode_layers takes the same codes).
 ATEN, ONEDNN, SMALL = 0, 1, 2
-# bf16 rows that take cpu_kernels.small_linear. Decode tok/s, one engine, oneDNN / small_linear
-# alternating (medians of 5, Xeon): 1 row 28.8 / 41.6, 2 rows 58.4 / 80.7, 3 rows 84.0 / 109.9,
-# 4 rows 132.3 / 149.4. Where the CPU has AVX512-BF16 the kernel multiplies bf16 pairs as they
-# are and also wins at 5 and 6 rows, tying from 7 (SmolLM2's 30 layers, against oneDNN: 5 rows
-# 17.2 / 21.6 ms, 6: 19.0 / 21.0, 8: 20.4 / 20.8).
+# bf16 rows that take cpu_kernels.small_linear: where it beat oneDNN (docs/performance.md). With
+# AVX512-BF16 the kernel multiplies bf16 pairs as they are and also wins at 5 and 6 rows.
 SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
 
 
@@ -98,12 +90,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T + bias (+ residual); `packed`, when given, must be pack(weight) of the
     current weight. On SMALL the residual joins the kernel's float32 sums (one rounding in
     bf16); elsewhere it is added to the matmul's output (in bf16 rounded twice, as HF's
-    bf16 does): oneDNN's add post-op cost ~25 us a call more than the matmul without it, at
-    any size (64 bf16 rows x 576 x 576: 78 against 51 us, the add itself 8 us)."""
+    bf16 does): oneDNN's add post-op costs more than the separate add, at any size
+    (docs/performance.md)."""
     # Above SMALL_ROWS, every row count takes the same path, so a row's result does not depend
-    # on how many rows share its step. (MKL's float32 matrix-vector kernel streams the weights
-    # ~20% faster at 1-2 rows, and SiLU/product as oneDNN post-ops save a pass at 64 rows, but
-    # both give results that differ in the last bits with the row count.)
+    # on how many rows share its step. (MKL's float32 matrix-vector kernel at 1-2 rows and
+    # SiLU/product as oneDNN post-ops at 64 rows are faster, but both give results that differ
+    # in the last bits with the row count.)
     path = matmul_path(x, weight, bias, residual)
     if path == SMALL:
         return cpu_kernels.small_linear(x, weight, bias, residual)

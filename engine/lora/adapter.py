@@ -165,7 +165,9 @@ def build_adapter(name: str, tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
 
 
 def read_peft_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(adapter_config.json dict, tensors) of a PEFT adapter folder."""
+    """(adapter_config.json dict, tensors) of a PEFT adapter folder; a corrupt file is a
+    ValueError naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not isinstance(path, str) or not os.path.isdir(path):
@@ -175,9 +177,19 @@ def read_peft_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     for p in (cfg_path, weights_path):
         if not os.path.isfile(p):
             raise ValueError(f"lora_path {path!r} has no {os.path.basename(p)}")
-    with open(cfg_path) as f:
-        try:
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
             config = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{cfg_path}: not valid JSON ({exc})") from exc
-    return config, load_file(weights_path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: holds a {type(config).__name__}, not a JSON object")
+    try:
+        LoRAConfig.from_dict(config, max_rank=1 << 30)  # rank limits are the engine's check
+    except ValueError as exc:
+        raise ValueError(f"{cfg_path}: {exc}") from exc
+    try:
+        tensors = load_file(weights_path)
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{weights_path}: not a valid safetensors file ({exc})") from exc
+    return config, tensors

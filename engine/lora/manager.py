@@ -9,13 +9,15 @@ with the namespace's (adapter_name, adapter_version) fields).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import closing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
+from hotswap.engine.client.protocol import check_pause_mode
 from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.lora.adapter import (
     LoRAAdapter,
@@ -29,11 +31,23 @@ from hotswap.engine.lora.pool import KIND_OF, LoRAPool
 from hotswap.weight_sync.receiver import discard_tensors, receive_tensors
 
 if TYPE_CHECKING:
-    from hotswap.engine.scheduler.schedule_batch import BatchRow
-    from hotswap.engine.scheduler.scheduler import Scheduler
     from hotswap.weight_sync.group import WeightGroup
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+T = TypeVar("T")
+
+
+class SchedulerControls(Protocol):
+    """The scheduler's control methods this manager uses (scheduler/control.py). Declared here
+    because the scheduler imports this module: lora never imports the scheduler."""
+
+    def run(self, fn: Callable[[], T]) -> T: ...
+
+    def finish_where(self, picked: Callable[[Req], bool], reason: FinishReason,
+                     queued: bool = True) -> int: ...
+
+    def retract_where(self, picked: Callable[[Req], bool]) -> int: ...
+
+    def retire_namespaces(self, retired: Callable[[Namespace], bool]) -> None: ...
 
 
 class LoRAManager:
@@ -49,9 +63,9 @@ class LoRAManager:
         self.pool = LoRAPool(model, config.max_loras_per_batch, device, dtype)
         self.adapters: dict[str, LoRAAdapter] = {}
         self._versions: dict[str, int] = {}  # kept after unload: a reload never reuses a version
-        self.scheduler: Scheduler | None = None
+        self.scheduler: SchedulerControls | None = None
 
-    def attach(self, scheduler: Scheduler) -> None:
+    def attach(self, scheduler: SchedulerControls) -> None:
         self.scheduler = scheduler
 
     # reads (any thread)
@@ -75,7 +89,7 @@ class LoRAManager:
 
     def load_from_tensors(self, name: str, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping,
                           config_dict: Mapping[str, Any], pause_mode: str) -> dict:
-        _check_pause_mode(pause_mode)
+        check_pause_mode(pause_mode)
         adapter = build_adapter(name, tensors, config_dict, self.model, self.max_rank,
                                 self.dtype)
         return self.scheduler.run(lambda: self._commit(adapter, pause_mode))
@@ -89,7 +103,7 @@ class LoRAManager:
         Without config_dict the adapter must be loaded already and keeps its config.
         """
         try:
-            _check_pause_mode(pause_mode)
+            check_pause_mode(pause_mode)
             config = self._config_for(name, config_dict)
             for n, shape in zip(names, shapes):
                 check_tensor_meta(n, tuple(shape), LoRAConfig.from_dict(config, self.max_rank),
@@ -118,14 +132,11 @@ class LoRAManager:
 
     def _commit(self, adapter: LoRAAdapter, pause_mode: str) -> dict:
         sched, name = self.scheduler, adapter.name
-        users = [r for r in sched.running if r.lora_name == name]
         if pause_mode == "abort":
-            for req in users:
-                sched.finish(req, FinishReason(
-                    "abort", message=f"aborted: LoRA adapter {name!r} was replaced"))
+            reason = FinishReason("abort", message=f"aborted: LoRA adapter {name!r} was replaced")
+            sched.finish_where(_uses(name), reason, queued=False)
         elif pause_mode == "retract":
-            for req in sorted(users, key=lambda r: -r.admit_seq):
-                sched.retract(req)
+            sched.retract_where(_uses(name))
         version = self._versions.get(name, 0) + 1
         adapter.version = self._versions[name] = version
         self.adapters[name] = adapter
@@ -137,40 +148,26 @@ class LoRAManager:
 
     def _unload_now(self, name: str) -> dict:
         self.check_name(name)
-        sched = self.scheduler
         reason = FinishReason("abort", message=f"aborted: LoRA adapter {name!r} was unloaded")
-        for leader, forks in list(sched.forks.items()):
-            sched.forks[leader] = [r for r in forks if r.lora_name != name]
-            for req in forks:
-                if req.lora_name == name:
-                    sched.finish(req, reason)
-        for req in [r for r in sched.waiting if r.lora_name == name]:
-            sched.waiting.remove(req)
-            sched.finish(req, reason)
-        for req in [r for r in sched.running if r.lora_name == name]:
-            sched.finish(req, reason)
+        self.scheduler.finish_where(_uses(name), reason)
         del self.adapters[name]
         self.pool.evict(name)
         self._retire(name, keep=None)
         return {"success": True, "message": f"unloaded LoRA adapter {name!r}"}
 
     def _retire(self, name: str, keep: int | None) -> None:
-        tree = self.scheduler.tree
-        tree.retire_where(lambda ns: ns.adapter_name == name and ns.adapter_version != keep)
-        for req in self.scheduler.running:  # in_place users: their old KV never reaches the tree
-            ns = req.namespace
-            if ns is not None and ns.adapter_name == name and ns.adapter_version != keep:
-                tree.retire_namespace(ns)
+        self.scheduler.retire_namespaces(
+            lambda ns: ns.adapter_name == name and ns.adapter_version != keep)
 
     def admissible(self, req: Req, active: set[str]) -> bool:
         """Whether `req` fits a step whose adapters are `active` (max_loras_per_batch)."""
         return (req.lora_name is None or req.lora_name in active
                 or len(active) < self.max_per_batch)
 
-    def prepare(self, rows: Sequence[BatchRow]) -> LoRABatch | None:
-        """The step's segment metadata, its adapters resident in the pool; None if no row
-        uses an adapter."""
-        names = [row.req.lora_name for row in rows]
+    def prepare(self, names: Sequence[str | None], extends: Sequence[int]) -> LoRABatch | None:
+        """The step's segment metadata for rows using adapters `names` (None: the base model)
+        over `extends` tokens each, its adapters resident in the pool; None if no row uses an
+        adapter."""
         used = list(dict.fromkeys(n for n in names if n is not None))
         if not used:
             return None
@@ -178,9 +175,11 @@ class LoRAManager:
         slot_of = self.pool.ensure(adapters)
         kinds = frozenset(KIND_OF[t] for a in adapters for t in a.config.targets)
         return LoRABatch.build(self.pool, [-1 if n is None else slot_of[n] for n in names],
-                               [row.extend for row in rows], kinds)
+                               list(extends), kinds)
 
 
-def _check_pause_mode(mode: str) -> None:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {mode!r}")
+def _uses(name: str) -> Callable[[Req], bool]:
+    return lambda req: req.lora_name == name
+
+
+

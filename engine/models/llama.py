@@ -21,11 +21,9 @@ from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
-# the bytes of the float32 copy, the same products) in a matrix-vector kernel: measured 1.6 ms
-# against 2.6 ms for the 49k x 576 SmolLM2 head at 1 row (EPYC). On AMX more rows take
-# cpu_kernels.head_logits (64 rows: 7 against 16 ms with the weights in cache, 15 against 21 ms
-# from DRAM, as in a decode step); from DRAM, the matrix-vector kernel against it: 3.4 / 4.2 ms
-# at 1 row, 3.7 / 4.3 at 2, 4.2 / 4.4 at 3, 4.8 / 4.7 at 4, 10.2 / 4.7 at 6 (Xeon).
+# the bytes of the float32 copy, the same products) in a matrix-vector kernel, which is faster
+# there; on AMX more rows take cpu_kernels.head_logits, faster from 3 rows on
+# (docs/performance.md).
 SMALL_HEAD_ROWS = 2
 
 
@@ -138,9 +136,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # _forward_fused's weight arguments by (at most SMALL_ROWS rows, dtype): looking them up
-        # through the modules took ~35 us a layer. LlamaForCausalLM.pack_weights clears it.
-        self.fused_weights: dict[tuple[bool, torch.dtype], tuple] = {}
+        # _forward_fused's layers by (at most SMALL_ROWS rows, dtype), built on first use: they
+        # hold the weights and packed copies, so LlamaForCausalLM.pack_weights (called whenever
+        # the weights change) clears them.
+        self.fused_layers: dict[tuple[bool, torch.dtype], torch.ScriptObject] = {}
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
@@ -157,32 +156,31 @@ class LlamaModel(nn.Module):
         """The layers' forward() for a decode-only CPU step in one kernel call: the same ops,
         without ~20 Python-dispatched ones per layer."""
         key = (len(x) <= SMALL_ROWS, x.dtype)
-        args = self.fused_weights.get(key)
-        if args is None:
-            args = self.fused_weights[key] = self._fused_weights(x)
-        weights, biases, path = args
+        layers = self.fused_layers.get(key)
+        if layers is None:
+            layers = self.fused_layers[key] = self._build_fused_layers(x)
         return cpu_kernels.decode_layers(
-            x, weights, biases, step.k_buffers, step.v_buffers, self.cfg.rms_norm_eps, path,
-            fb.rope.cos, fb.rope.sin, step.out_cache_loc, step.req_to_token, step.req_idx,
-            step.seq_lens, self.cfg.num_heads, step.scale)
+            x, layers, step.k_buffers, step.v_buffers, fb.rope.cos, fb.rope.sin,
+            step.out_cache_loc, step.req_to_token, step.req_idx, step.seq_lens, step.scale)
 
-    def _fused_weights(self, x: torch.Tensor) -> tuple[list, list, int]:
-        """decode_layers' weights (six a layer) and qkv biases for steps like x, and the path
-        code linear() takes for them."""
+    def _build_fused_layers(self, x: torch.Tensor) -> torch.ScriptObject:
+        """Every layer's weights for steps like x, as linear() multiplies them on the path it
+        takes for such steps."""
         attn = self.layers[0].self_attn
         path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)  # x: the residual
 
-        def weight(proj: Linear) -> torch.Tensor:  # what linear() multiplies on `path`
+        def weight(proj: Linear) -> torch.Tensor:
             return proj.weight if proj.packed is None or path == SMALL else proj.packed
 
-        weights, biases = [], []
-        for layer in self.layers:
+        def layer_weights(layer: LlamaDecoderLayer) -> cpu_kernels.LayerWeights:
             attn, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight, weight(attn.qkv_proj), weight(attn.o_proj),
-                        layer.post_attention_layernorm.weight, weight(mlp.gate_up_proj),
-                        weight(mlp.down_proj)]
-            biases.append(attn.qkv_proj.bias)
-        return weights, biases, path
+            return cpu_kernels.LayerWeights(
+                layer.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
+                weight(attn.o_proj), layer.post_attention_layernorm.weight,
+                weight(mlp.gate_up_proj), weight(mlp.down_proj))
+
+        return cpu_kernels.decode_stack(map(layer_weights, self.layers), self.cfg.rms_norm_eps,
+                                        path, self.cfg.num_heads)
 
     def _fused_decode_inputs(self, fb: ForwardBatch) -> FusedDecodeInputs | None:
         """The step's inputs to the fused CPU decoder layer, or None where the layers run op by
@@ -254,8 +252,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self, enable: bool = True) -> None:
         """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py) and
-        forget the fused layers' cached weight arguments."""
-        self.model.fused_weights.clear()
+        drop the fused layers built from the old ones."""
+        self.model.fused_layers.clear()
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 module.packed = pack(module.weight) if enable else None

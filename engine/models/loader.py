@@ -8,13 +8,15 @@ path, so names HF's loader ignores are ignored the same way everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hotswap.engine.models.llama import WeightSlot
 
@@ -32,32 +34,71 @@ def is_ignored(name: str) -> bool:
     return _IGNORED.search(name) is not None
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
 def checkpoint_files(model_path: str) -> list[str]:
-    index = os.path.join(model_path, "model.safetensors.index.json")
+    """The safetensors files of a checkpoint folder; a bad index or a missing shard is a
+    ValueError naming the file (bad input, as docs/api.md says of corrupt files)."""
+    index = os.path.join(model_path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_path, s) for s in shards]
+        return [os.path.join(model_path, s) for s in sorted(set(_index_map(index).values()))]
     single = os.path.join(model_path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_path!r}")
+    raise ValueError(f"no model.safetensors or {INDEX_FILE} in {model_path!r}")
+
+
+def _index_map(index: str) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file), every shard checked to exist."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data: Any = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{index}: not a readable JSON file ({exc})") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: no 'weight_map' object naming the shard of each tensor")
+    folder = os.path.dirname(index)
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise ValueError(f"{index}: the shard of tensor {name!r} is {shard!r}, not a file name")
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(folder, shard)):
+            raise ValueError(f"{index}: shard {shard!r} is missing from {folder!r}")
+    return weight_map
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    """safe_open, with a corrupt or unreadable file reported as a ValueError naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path}: not a valid safetensors file ({exc})") from exc
 
 
 def read_checkpoint_meta(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor, without reading the data."""
     meta = {}
     for path in checkpoint_files(model_path):
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 sl = f.get_slice(name)
                 meta[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype()))
+    index = os.path.join(model_path, INDEX_FILE)
+    if os.path.isfile(index):
+        absent = sorted(set(_index_map(index)) - set(meta))
+        if absent:
+            raise ValueError(f"{index}: names {len(absent)} tensor(s) no shard holds, "
+                             f"e.g. {absent[0]!r}")
     return meta
 
 
 def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_path):
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
@@ -96,7 +137,7 @@ def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
             continue
         if tensor.is_meta:
             raise ValueError(f"tensor '{name}' holds no data (a meta tensor)")
-        if not _finite(tensor):
+        if not is_finite(tensor):
             bad.append(name)
     if bad:
         shown = ", ".join(f"'{n}'" for n in bad[:5])
@@ -104,7 +145,7 @@ def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise ValueError(f"tensor(s) {shown}{more} hold non-finite values (NaN or inf)")
 
 
-def _finite(tensor: torch.Tensor) -> bool:
+def is_finite(tensor: torch.Tensor) -> bool:
     # NaN and inf survive a sum, so a finite sum proves every element finite in one pass with
     # no temporary; only a non-finite sum (or an overflow of huge values) needs the exact test.
     if torch.isfinite(tensor.sum()):

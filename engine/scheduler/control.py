@@ -1,18 +1,21 @@
 """The scheduler's control methods: the only writers of scheduling state from outside the loop.
 
-Pause and resume, admission holds, cache flush and reset, namespace retirement, KV memory release
-and the integrity check. Any thread may call them; each runs on the scheduler thread between
-steps through `Scheduler.run`, the one way of handing work to that thread. The Engine and the
-WeightManager act on scheduling state only through these.
+Pause and resume, admission holds, finishing or retracting the requests a predicate picks, cache
+flush and reset, namespace retirement, KV memory release and the integrity check. Any thread may
+call them; each runs on the scheduler thread between steps through `Scheduler.run`, the one way
+of handing work to that thread. The Engine, the WeightManager and the LoRAManager act on
+scheduling state only through these; readers (metrics, load reports) use `load()`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.core.request import FinishReason, Req
 
 if TYPE_CHECKING:
     from hotswap.engine.executor.model_runner import ModelRunner
@@ -20,18 +23,101 @@ if TYPE_CHECKING:
     from hotswap.engine.scheduler.kv_manager import KVManager
 
 
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """How busy the scheduler is: request counts, KV use and running totals, as of one moment."""
+
+    running: int  # admitted, holding KV
+    waiting: int  # queued for admission
+    forked: int  # n > 1 samples waiting for their leader's prompt KV
+    compiling: int  # waiting for their grammar to compile
+    kv_used_tokens: int  # KV pool slots not free: running requests and the prefix cache
+    kv_cached_tokens: int  # KV slots held by the prefix cache
+    kv_pool_tokens: int  # KV pool size in tokens
+    # Since start: prompt_tokens, generated_tokens, cached_tokens (prompt tokens found in the
+    # prefix cache), prefill_tokens, steps, step_s.
+    totals: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unfinished(self) -> int:
+        return self.running + self.waiting + self.forked + self.compiling
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / self.kv_pool_tokens if self.kv_pool_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class SchedulerControl:
-    """Mixed into Scheduler, which provides the state below and `run`, `abort_running`,
-    `abort_waiting` and `retract_all`."""
+    """Mixed into Scheduler, which provides the state below and `run`, `finish`, `retract`,
+    `abort_running`, `abort_waiting` and `retract_all`."""
 
     paused: bool
     admission_held: bool
-    running: list
-    waiting: list
-    forks: dict[str, list]
+    running: list[Req]
+    waiting: list[Req]
+    forks: dict[str, list[Req]]
+    grammar_queue: list[Req]
     tree: RadixCache
     kv: KVManager
     runner: ModelRunner
+    stats: dict[str, float]
+
+    def load(self) -> SchedulerLoad:
+        """Any thread, without waiting for a step: each count is one read of a length or a
+        counter (atomic under the GIL), never a walk over what the scheduler thread mutates."""
+        allocator = self.runner.allocator
+        forks = list(self.forks.values())
+        return SchedulerLoad(
+            running=len(self.running), waiting=len(self.waiting), forked=sum(map(len, forks)),
+            compiling=len(self.grammar_queue),
+            kv_used_tokens=allocator.size - allocator.available_size(),
+            kv_cached_tokens=self.tree.total_size(), kv_pool_tokens=allocator.size,
+            totals=dict(self.stats))
+
+    def finish_where(self, picked: Callable[[Req], bool], reason: FinishReason,
+                     queued: bool = True) -> int:
+        """End the running requests `picked` selects (their KV freed) and, with `queued`, the
+        ones still waiting (for admission, a fork leader or a grammar); returns how many."""
+        return self.run(lambda: self._finish_where_now(picked, reason, queued))
+
+    def retract_where(self, picked: Callable[[Req], bool]) -> int:
+        """Retract the running requests `picked` selects, newest first: their KV is dropped
+        and they queue to be recomputed from prompt + output so far; returns how many."""
+        def on_thread() -> int:
+            hits = sorted((r for r in self.running if picked(r)), key=lambda r: -r.admit_seq)
+            for req in hits:
+                self.retract(req)
+            return len(hits)
+
+        return self.run(on_thread)
+
+    def _finish_where_now(self, picked: Callable[[Req], bool], reason: FinishReason,
+                          queued: bool) -> int:
+        hits = self._take_queued(picked) if queued else []
+        hits += [r for r in self.running if picked(r)]
+        for req in hits:
+            self.finish(req, reason)
+        return len(hits)
+
+    def _take_queued(self, picked: Callable[[Req], bool]) -> list[Req]:
+        """Remove the picked requests from every queue (forks first: finishing a leader moves
+        its forks to the waiting queue) and return them."""
+        taken = []
+        for leader, forks in list(self.forks.items()):
+            taken += [r for r in forks if picked(r)]
+            kept = [r for r in forks if not picked(r)]
+            if kept:
+                self.forks[leader] = kept
+            else:
+                del self.forks[leader]
+        taken += [r for r in self.waiting if picked(r)]
+        self.waiting[:] = [r for r in self.waiting if not picked(r)]
+        taken += [r for r in self.grammar_queue if picked(r)]
+        self.grammar_queue[:] = [r for r in self.grammar_queue if not picked(r)]
+        return taken
 
     def pause(self, mode: str) -> dict:
         def on_thread() -> dict:
@@ -49,7 +135,7 @@ class SchedulerControl:
         return self.run(on_thread)
 
     def apply_pause_mode(self, mode: str) -> None:
-        """What a pause or a weight update does to running requests (API.md, pause modes)."""
+        """What a pause or a weight update does to running requests (docs/api.md#pause-modes)."""
         if mode == "abort":
             self.run(lambda: self.abort_running(f"aborted: generation paused (mode {mode})"))
         elif mode == "retract":
@@ -90,8 +176,15 @@ class SchedulerControl:
         return self.run(on_thread)
 
     def retire_namespaces(self, retired: Callable[[Namespace], bool]) -> None:
-        """Make cached prefixes of the matching namespaces unreachable (invariant 1)."""
-        self.run(lambda: self.tree.retire_where(retired))
+        """Make cached prefixes of the matching namespaces unreachable (invariant 1); running
+        requests under one (an in_place update) keep their KV, which never reaches the tree."""
+        def on_thread() -> None:
+            self.tree.retire_where(retired)
+            for ns in {r.namespace for r in self.running if r.namespace is not None}:
+                if retired(ns):
+                    self.tree.retire_namespace(ns)
+
+        self.run(on_thread)
 
     def abort_all(self, message: str) -> None:
         def on_thread() -> None:

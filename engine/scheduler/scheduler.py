@@ -27,7 +27,8 @@ from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.omp import release_thread_team
-from hotswap.engine.executor.sampling import Sampler, SamplingBatchInfo
+from hotswap.engine.executor.sampling import Sampler
+from hotswap.engine.executor.sampling_batch_info import SamplingBatchInfo
 from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
@@ -226,20 +227,7 @@ class Scheduler(SchedulerControl):
         def hit(req: Req) -> bool:
             return abort_all or req.rid == rid or req.rid.startswith(f"{rid}-")
 
-        for leader_rid, forks in list(self.forks.items()):
-            for req in [r for r in forks if hit(r)]:
-                forks.remove(req)
-                self.finish(req, FinishReason("abort", message="aborted by request"))
-            if not forks:
-                del self.forks[leader_rid]
-        for req in [r for r in self.waiting if hit(r)]:
-            self.waiting.remove(req)
-            self.finish(req, FinishReason("abort", message="aborted by request"))
-        for req in [r for r in self.grammar_queue if hit(r)]:
-            self.grammar_queue.remove(req)
-            self.finish(req, FinishReason("abort", message="aborted by request"))
-        for req in [r for r in self.running if hit(r)]:
-            self.finish(req, FinishReason("abort", message="aborted by request"))
+        self._finish_where_now(hit, FinishReason("abort", message="aborted by request"), True)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         """End `req`: free its KV (cached when still valid) and deliver its final output."""
@@ -296,7 +284,9 @@ class Scheduler(SchedulerControl):
         return True
 
     def _with_lora(self, batch: ScheduleBatch) -> ForwardBatch:
-        batch.forward_batch.lora = self.lora.prepare(batch.rows)
+        rows = batch.rows
+        batch.forward_batch.lora = self.lora.prepare([r.req.lora_name for r in rows],
+                                                     [r.extend for r in rows])
         return batch.forward_batch
 
     def _schedule(self) -> ScheduleBatch | None:

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from hotswap.engine.errors import WeightsIncompleteError
-from hotswap.engine.server.control_api import control, control_paths, lora_routes, memory_routes
+from hotswap.engine.server.control_api import control, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
 from hotswap.engine.server.prepared_routes import prepared_routes
@@ -56,6 +56,21 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 open_routes = APIRouter()
 inference = APIRouter()
+# Control routes need the admin key; a router in front of several servers sends each of them to
+# every server (hotswap.fleet derives its fan-out from this table).
+CONTROL_ROUTERS = (control, memory_routes, lora_routes, prepared_routes, sglang_control)
+ROUTERS = (open_routes, inference, sglang_routes, *CONTROL_ROUTERS)
+
+
+def control_paths() -> frozenset[str]:
+    return frozenset(r.path for router in CONTROL_ROUTERS for r in router.routes)
+
+
+def route_table() -> list[tuple[str, str, bool]]:
+    """(method, path, is_control) for every route of the server."""
+    control_set = control_paths()
+    return sorted((method, r.path, r.path in control_set) for router in ROUTERS
+                  for r in router.routes for method in r.methods)
 
 
 @open_routes.get("/health")
@@ -84,7 +99,12 @@ async def list_models(state: State) -> Response:
          "max_model_len": state.engine.config.context_length}] + [
         {"id": f"{state.model_name}:{name}", "object": "model", "created": 0,
          "owned_by": "hotswap", "parent": state.model_name}
-        for name in getattr(state.engine, "list_lora_adapters", dict)()]})
+        for name in state.engine.list_lora_adapters()]})
+
+
+@inference.get("/list_lora_adapters")
+async def list_lora_adapters(state: State) -> Response:
+    return json_response(state.engine.list_lora_adapters())
 
 
 @inference.post("/generate")
@@ -138,8 +158,7 @@ async def chat_completions(state: State, body: ChatCompletionRequest, request: R
 
 async def _serve_openai(state: ServerState, request: Request, job: Job, stream: bool) -> Response:
     engine = state.engine
-    lora = lora_for_model(job.model, state.model_name,
-                          getattr(engine, "list_lora_adapters", dict)())
+    lora = lora_for_model(job.model, state.model_name, engine.list_lora_adapters())
     if lora is not None:
         job.engine_kwargs["lora_name"] = lora
     if stream:
@@ -165,7 +184,7 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, exc: Exception) -> Response:
         message = (_validation_message(exc) if isinstance(exc, RequestValidationError)
                    else str(exc))
@@ -196,24 +215,16 @@ def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = 
     app = FastAPI(title="hotswap", summary="Rollout engine with live weight updates")
     name = served_model_name or engine.config.model_path.rstrip("/").rsplit("/", 1)[-1]
     app.state.hotswap = state = ServerState(engine, name)
-    routers = [open_routes, inference, control, sglang_routes, sglang_control]
-    if hasattr(engine, "release_memory_occupation"):
-        routers.append(memory_routes)
-    if hasattr(engine, "load_lora_adapter"):
-        routers.append(lora_routes)
-    if hasattr(engine, "commit_weights_update"):
-        routers.append(prepared_routes)
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     # Metrics label requests by route; any other path counts as "other".
-    routes = {route.path for router in routers for route in router.routes}
+    routes = {path for _, path, _ in route_table()}
     app.add_middleware(GuardMiddleware, api_key=api_key, admin_key=admin_key,
                        max_body_bytes=max_body_bytes,
                        count=lambda route, status: state.metrics.requests.labels(
                            route, str(status)).inc(), routes=routes,
-                       control_paths=control_paths() | {
-                           r.path for r in (*sglang_control.routes, *prepared_routes.routes)})
+                       control_paths=control_paths())
     return app
 
 

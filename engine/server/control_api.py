@@ -21,6 +21,7 @@ from hotswap.engine.server.protocol import (
     FlushRequest,
     GroupRequest,
     InitGroupRequest,
+    LoadLoraFromTensorsRequest,
     LoadLoraRequest,
     MemoryRequest,
     PauseRequest,
@@ -30,6 +31,7 @@ from hotswap.engine.server.protocol import (
     WeightsByNameRequest,
 )
 from hotswap.engine.server.serving import ServerState, State, blocking, json_response
+from hotswap.weight_sync.serialize import deserialize_named_tensors
 
 control = APIRouter()
 memory_routes = APIRouter()
@@ -62,11 +64,8 @@ async def init_weights_update_group(state: State, body: InitGroupRequest) -> Res
 @control.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(state: State,
                                           body: UpdateFromDistributedRequest) -> Response:
-    kwargs = body.model_dump()
-    if kwargs["commit"] is None:
-        kwargs["commit"] = kwargs["flush_cache"]
     return await _update(state, "distributed", state.engine.update_weights_from_distributed,
-                         **kwargs)
+                         **body.model_dump())
 
 
 @control.post("/destroy_weights_update_group")
@@ -125,15 +124,19 @@ async def resume_memory_occupation(state: State, body: MemoryRequest | None = No
 
 @lora_routes.post("/load_lora_adapter")
 async def load_lora_adapter(state: State, body: LoadLoraRequest) -> Response:
-    return await blocking(state.engine.load_lora_adapter, body.lora_name, body.lora_path)
+    return await blocking(state.engine.load_lora_adapter, body.lora_name, body.lora_path,
+                          pause_mode=body.pause_mode)
+
+
+@lora_routes.post("/load_lora_adapter_from_tensors")
+async def load_lora_adapter_from_tensors(state: State,
+                                         body: LoadLoraFromTensorsRequest) -> Response:
+    tensors = deserialize_named_tensors(body.serialized_tensors)
+    return await blocking(state.engine.load_lora_adapter_from_tensors, body.lora_name, tensors,
+                          body.config_dict, pause_mode=body.pause_mode)
 
 
 @lora_routes.post("/unload_lora_adapter")
 async def unload_lora_adapter(state: State, body: UnloadLoraRequest) -> Response:
     return await blocking(state.engine.unload_lora_adapter, body.lora_name)
 
-
-def control_paths() -> frozenset[str]:
-    """Every control route, whether or not an engine has the feature: they all need the key."""
-    return frozenset(r.path for router in (control, memory_routes, lora_routes)
-                     for r in router.routes)

@@ -2,8 +2,8 @@
 
 Each app gets its own registry, so several servers (or tests) in one process never collide.
 Engine values (token counters, queue lengths, KV use) are owned by the scheduler and read when
-scraped: plain attribute reads and list lengths, never a walk over structures the scheduler
-thread is mutating.
+scraped through `Engine.get_load()`: counts read at once, never a walk over structures the
+scheduler thread is mutating, and never a wait for a step.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        sched = self.engine.scheduler
-        stats = dict(sched.stats)
+        load = self.engine.get_load()
+        stats = load["totals"]
         for key, doc in (("prompt_tokens", "Prompt tokens submitted"),
                          ("generated_tokens", "Tokens generated"),
                          ("cached_tokens", "Prompt tokens served from the prefix cache"),
@@ -40,23 +40,20 @@ class EngineCollector(Collector):
                                 "Share of submitted prompt tokens found in the prefix cache",
                                 value=stats.get("cached_tokens", 0) / prompt if prompt else 0.0)
         yield GaugeMetricFamily("hotswap_num_running_requests", "Requests holding KV",
-                                value=len(sched.running))
+                                value=load["running"])
         yield GaugeMetricFamily("hotswap_num_waiting_requests", "Requests queued for admission",
-                                value=len(sched.waiting))
-        yield from self._kv_metrics()
+                                value=load["waiting"])
+        yield from self._kv_metrics(load)
         yield from self._weight_metrics()
 
-    def _kv_metrics(self) -> Iterator[Metric]:
-        allocator = self.engine.runner.allocator
-        size = allocator.size
-        free = allocator.available_size()
-        cached = self.engine.scheduler.tree.total_size()
+    def _kv_metrics(self, load: dict[str, Any]) -> Iterator[Metric]:
+        size, used = load["kv_pool_tokens"], load["kv_used_tokens"]
         yield GaugeMetricFamily("hotswap_kv_pool_tokens", "KV pool size in tokens", value=size)
-        yield GaugeMetricFamily("hotswap_kv_cached_tokens",
-                                "KV tokens held by the prefix cache", value=cached)
+        yield GaugeMetricFamily("hotswap_kv_cached_tokens", "KV tokens held by the prefix cache",
+                                value=load["kv_cached_tokens"])
         yield GaugeMetricFamily("hotswap_kv_usage",
                                 "Share of the KV pool not free (running requests and cache)",
-                                value=(size - free) / size if size else 0.0)
+                                value=used / size if size else 0.0)
 
     def _weight_metrics(self) -> Iterator[Metric]:
         weights = self.engine.weights

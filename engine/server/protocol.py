@@ -18,8 +18,9 @@ from pydantic import (
     model_validator,
 )
 
-PauseMode = Literal["abort", "retract", "in_place"]
-MAX_N = 1024  # the engine's limit (sampling.MAX_N), stated here so the OpenAPI schema shows it
+from hotswap.engine.client.protocol import MAX_N, PAUSE_MODES
+
+PauseMode = Literal[PAUSE_MODES]  # the engine's rules, so the OpenAPI schema shows them
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
 
@@ -172,7 +173,7 @@ class UpdateFromDiskRequest(Body):
     weight_version: str | None = None
     flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
-    commit: bool = True
+    commit: bool | None = None  # None: commit when flush_cache is true (resolve_commit)
 
 
 class InitGroupRequest(Body):
@@ -228,6 +229,14 @@ class MemoryRequest(Body):
 class LoadLoraRequest(Body):
     lora_name: str
     lora_path: str
+    pause_mode: PauseMode = "retract"
+
+
+class LoadLoraFromTensorsRequest(Body):
+    lora_name: str
+    serialized_tensors: str  # base64 safetensors of the PEFT tensors
+    config_dict: dict[str, Any]
+    pause_mode: PauseMode = "retract"
 
 
 class UnloadLoraRequest(Body):

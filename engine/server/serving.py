@@ -141,7 +141,7 @@ async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Respons
     return json_response(await asyncio.to_thread(fn, *args, **kwargs))
 
 
-# Probes and Prometheus scrapers carry no key (API.md section 3).
+# Probes and Prometheus scrapers carry no key (docs/api.md#keys).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 

@@ -1,4 +1,4 @@
-"""SGLang route compatibility (API.md section 3): what SGLang's HTTP clients (verl, slime) send.
+"""What SGLang's HTTP clients (verl, slime) send (docs/api.md#sglang-compatibility).
 
 - GET where SGLang accepts it: /flush_cache, /health_generate, /get_model_info,
   /get_server_info, /v1/loads (/get_weight_version is GET already).
@@ -143,20 +143,19 @@ async def get_server_info(state: State) -> Response:
     info = {k: v for k, v in vars(config).items() if isinstance(v, (str, int, float, bool))}
     return json_response({**info, "weight_version": state.engine.get_weight_version(),
                           "weight_sync_ranks": state.engine.weight_sync_ranks,
-                          "max_total_num_tokens": state.engine.runner.allocator.size,
+                          "max_total_num_tokens": state.engine.get_load()["kv_pool_tokens"],
                           "version": "hotswap"})
 
 
 @sglang_routes.get("/v1/loads")
 async def loads(state: State) -> Response:
-    sched = state.engine.scheduler
-    allocator = state.engine.runner.allocator
-    size = allocator.size
-    used = size - allocator.available_size()
+    load = state.engine.get_load()
+    size, used = load["kv_pool_tokens"], load["kv_used_tokens"]
     return json_response({"loads": [{
-        "dp_rank": 0, "num_running_reqs": len(sched.running),
-        "num_waiting_reqs": len(sched.waiting), "num_used_tokens": used,
-        "max_total_num_tokens": size, "token_usage": used / size if size else 0.0}]})
+        "dp_rank": 0, "num_running_reqs": load["running"],
+        "num_waiting_reqs": load["waiting"] + load["forked"] + load["compiling"],
+        "num_used_tokens": used, "max_total_num_tokens": size,
+        "token_usage": used / size if size else 0.0}]})
 
 
 @sglang_control.get("/flush_cache")

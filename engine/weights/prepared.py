@@ -5,7 +5,8 @@ must not leave them on different versions. Phase one, `prepare`, receives and va
 whole update into a staging copy while the engine keeps serving the old weights; only when
 every engine has prepared does the coordinator send `commit` (a normal update transaction from
 the staged tensors), otherwise `abort` everywhere. The cost is one extra copy of the update in
-memory between the two phases.
+memory between the two phases: from a process group, the standby buffer (standby.py), checked
+for NaN and inf as it lands, so the commit is a swap; from disk, the tensors read.
 
 This is not the "staged update" that gathers several update calls into one version; it holds
 exactly one prepared update, and a new prepare replaces an older one that was never committed.
@@ -21,8 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hotswap.engine.models.loader import iter_checkpoint, read_checkpoint_meta
-from hotswap.weight_sync.bucket import str_to_dtype
-from hotswap.weight_sync.receiver import check_load_format, receive_tensors
+from hotswap.engine.weights.receive import Landed
 
 if TYPE_CHECKING:
     from hotswap.engine.weights.weight_manager import WeightManager
@@ -34,7 +34,7 @@ class PreparedUpdate:
     def __init__(self, weights: WeightManager):
         self.weights = weights
         self._lock = threading.Lock()
-        self._tensors: list[tuple[str, torch.Tensor]] | _OnRanks | None = None
+        self._tensors: list[tuple[str, torch.Tensor]] | Landed | _OnRanks | None = None
         self._source = ""
 
     @property
@@ -45,36 +45,27 @@ class PreparedUpdate:
                          shapes: Sequence[Sequence[int]], group_name: str,
                          load_format: str | None) -> dict:
         group = self.weights.group(group_name)
-        check_load_format(load_format)
-        try:
-            if not (len(names) == len(dtypes) == len(shapes)):
-                raise ValueError("names, dtypes and shapes must have the same length")
-            if len(set(names)) != len(names):
-                raise ValueError("names repeats a name")
-            meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
-            self.weights.validate(meta, complete=False)
-        except ValueError:
-            # Take part in the broadcast anyway, so the sender and the other targets finish.
-            self.weights.discard(group, names, dtypes, shapes, load_format)
-            raise
+        self.weights.check_broadcast(group, names, dtypes, shapes, load_format)
         if hasattr(self.weights.runner, "receive_update"):  # tensor parallel: on every rank
             self.weights.receive_on_ranks(names, dtypes, shapes, group_name, load_format)
             return self._stage(_OnRanks(list(names)), f"{len(names)} tensor(s) from group "
                                f"{group_name!r} on every tensor-parallel rank")
-        # Bucketed receives yield views into fresh per-bucket buffers: keeping them is no copy.
-        received = list(receive_tensors(group, names, dtypes, shapes, load_format,
-                                        device=self.weights.runner.device))
-        return self._stage(received, f"{len(received)} tensor(s) from group {group_name!r}")
+        # Into the standby, each tensor checked as it lands: the commit is a swap.
+        landed = self.weights.receive(group, names, dtypes, shapes, load_format)
+        return self._stage(landed, f"{len(names)} tensor(s) from group {group_name!r}")
 
     def from_disk(self, model_path: str) -> dict:
         self.weights.validate(read_checkpoint_meta(model_path), complete=True)
         known = self.weights.runner.weight_map  # validation passed: the rest are ignored buffers
         tensors = [(n, t) for n, t in iter_checkpoint(model_path) if n in known]
+        self.weights.check_values(tensors)  # refused now, not at a commit the others made
         return self._stage(tensors, f"checkpoint {model_path!r}")
 
-    def _stage(self, tensors: list[tuple[str, torch.Tensor]] | _OnRanks, source: str) -> dict:
+    def _stage(self, tensors: list[tuple[str, torch.Tensor]] | Landed | _OnRanks, source: str
+               ) -> dict:
         with self._lock:
-            self._tensors, self._source = tensors, source
+            old, self._tensors, self._source = self._tensors, tensors, source
+        _drop(old)
         return {"success": True, "message": f"prepared {source}",
                 "weight_version": self.weights.proposed_version()}
 
@@ -86,6 +77,8 @@ class PreparedUpdate:
             raise ValueError("no prepared weight update to commit; call a prepare method first")
         if isinstance(tensors, _OnRanks):
             return self.weights.commit_received(tensors.names, weight_version, pause_mode)
+        if isinstance(tensors, Landed):
+            return self.weights.install(tensors, weight_version, pause_mode)
         return self.weights.update_from_tensor(tensors, weight_version, pause_mode)
 
     def abort(self) -> dict:
@@ -93,9 +86,15 @@ class PreparedUpdate:
             had, self._tensors = self._tensors, None
         if isinstance(had, _OnRanks):
             self.weights.runner.drop_received()
+        _drop(had)
         message = (f"dropped the prepared {self._source}" if had is not None
                    else "nothing was prepared")
         return {"success": True, "message": message, "weight_version": self.weights.version}
+
+
+def _drop(prepared: object) -> None:
+    if isinstance(prepared, Landed):
+        prepared.drop()  # gives the standby back
 
 
 @dataclass(frozen=True)
@@ -103,10 +102,3 @@ class _OnRanks:
     """A prepared update that each tensor-parallel rank holds (its shards), not this process."""
 
     names: list[str]
-
-
-def _dtype_or_none(name: str) -> torch.dtype | None:
-    try:
-        return str_to_dtype(name)
-    except (ValueError, TypeError, KeyError):
-        return None

@@ -1,11 +1,13 @@
 """WeightManager: the weight version, pause modes, and weight updates as transactions.
 
 An update (from tensors, disk or a process group) is validated against the model's HF weight
-map before any parameter is touched. Then, in the scheduler thread between steps: running
-requests are handled per pause mode, the tensors are copied into place, the version is bumped
-and every KV namespace of older versions is retired. A failure before the first write leaves the
-old weights and version serving; a failure after it marks the weights incomplete, aborts all
-work and makes generation refuse until a complete update succeeds.
+map before any parameter is touched, and by default its values are checked (no NaN or inf)
+before any write too: a process group's tensors land in the standby buffer first (receive.py).
+Then, in the scheduler thread between steps: running requests are handled per pause mode, the
+tensors are copied (or the standby swapped) into place, the version is bumped and every KV
+namespace of older versions is retired. A failure before the first write leaves the old weights
+and version serving; a failure after it marks the weights incomplete, aborts all work and makes
+generation refuse until a complete update succeeds.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hotswap.engine.client.protocol import check_pause_mode
 from hotswap.engine.errors import WeightsIncompleteError
+from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.models.loader import (
     check_finite,
     check_weights,
@@ -27,16 +30,23 @@ from hotswap.engine.models.loader import (
     read_checkpoint_meta,
     write_weights,
 )
+from hotswap.engine.weights.receive import (
+    Landed,
+    Stages,
+    check_staging,
+    one_thread,
+    receive_in_place,
+    receive_to_standby,
+)
 from hotswap.engine.weights.staging import Stage
+from hotswap.engine.weights.standby import Standby
 from hotswap.weight_sync import group as ws_group
 from hotswap.weight_sync.bucket import str_to_dtype
-from hotswap.weight_sync.receiver import check_load_format, discard_tensors, receive_tensors
+from hotswap.weight_sync.receiver import check_load_format, discard_tensors
 
 if TYPE_CHECKING:
     from hotswap.engine.executor.model_runner import ModelRunner
     from hotswap.engine.scheduler.scheduler import Scheduler
-
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class WeightManager:
@@ -52,6 +62,9 @@ class WeightManager:
         self.stage: Stage | None = None  # an open staged update (scheduler thread)
         self.keep_host_copy = bool(getattr(runner.config, "enable_weights_cpu_backup", False))
         self._host_copy: dict[str, torch.Tensor] | None = None
+        check_staging(runner.config.weight_staging)
+        self.standby = Standby(runner)  # its buffer is allocated on first use
+        self.last_stages: dict[str, float] = {}  # seconds per stage of the last update
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -74,6 +87,7 @@ class WeightManager:
         if self.keep_host_copy and self.incomplete is None:
             self._host_copy = self._copy_to_host()
         self.runner.release_weights()
+        self.standby.free()
         self._damaged = self.runner.model.required_weight_names()
         self.incomplete = ("weights were released by release_memory_occupation; resume them "
                            "and push a complete update")
@@ -115,11 +129,9 @@ class WeightManager:
         if any(not isinstance(t, torch.Tensor) for _, t in items):
             raise ValueError("named_tensors must hold torch.Tensor values")
         names = [n for n, _ in items]
-        if len(set(names)) != len(names):
-            raise ValueError("named_tensors repeats a name")
-        self._validate({n: (tuple(t.shape), t.dtype) for n, t in items}, complete=False)
+        self.validate_update(names, [t.dtype for _, t in items], [t.shape for _, t in items])
         self._prepare(weight_version, pause_mode)
-        self._check_finite(items)
+        self.check_values(items)
         return self._commit(lambda: self._write(items), names, weight_version, pause_mode,
                             commit)
 
@@ -128,11 +140,12 @@ class WeightManager:
         meta = read_checkpoint_meta(model_path)
         self._validate(meta, complete=True)
         self._prepare(weight_version, pause_mode)
-        self._check_finite(iter_checkpoint(model_path))  # reads the data once before the write
+        self.check_values(iter_checkpoint(model_path))  # reads the data once before the write
         return self._commit(lambda: self._write(iter_checkpoint(model_path)), list(meta),
                             weight_version, pause_mode, commit)
 
-    def _check_finite(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def check_values(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """ValueError naming every tensor with a NaN or inf (unless check_weights_finite=False)."""
         if self.runner.config.check_weights_finite:
             check_finite(named)
 
@@ -172,41 +185,60 @@ class WeightManager:
     def update_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                 shapes: Sequence[Sequence[int]], group_name: str,
                                 weight_version: str | None, pause_mode: str,
-                                load_format: str | None, commit: bool = True) -> dict:
-        group = self._groups.get(group_name)
-        if group is None:
-            raise ValueError(f"no weight update group {group_name!r}; "
-                             "call init_weights_update_group first")
-        check_load_format(load_format)
-        try:
-            if not (len(names) == len(dtypes) == len(shapes)):
-                raise ValueError("names, dtypes and shapes must have the same length")
-            if len(set(names)) != len(names):
-                raise ValueError("names repeats a name")
-            meta = {n: (tuple(s), _dtype_or_none(d)) for n, d, s in zip(names, dtypes, shapes)}
-            self._validate(meta, complete=False)
+                                load_format: str | None, commit: bool = True,
+                                staging: str | None = None) -> dict:
+        """staging "standby" (default): received and checked beside the live weights, then
+        swapped in; "none": received in place (see receive.py)."""
+        stages = Stages()
+        group = self.group(group_name)
+        staging = staging or self.runner.config.weight_staging
+
+        def check_arguments() -> None:
             self._prepare(weight_version, pause_mode)
-        except ValueError:
-            # Take part in the broadcast anyway so the sender finishes instead of timing out.
-            self.discard(group, names, dtypes, shapes, load_format)
-            raise
+            check_staging(staging)
+
+        self.check_broadcast(group, names, dtypes, shapes, load_format, check_arguments)
+        stages.lap("validate")
         if hasattr(self.runner, "receive_update"):  # tensor parallel: every rank receives
             self.receive_on_ranks(names, dtypes, shapes, group_name, load_format)
             return self.commit_received(list(names), weight_version, pause_mode, commit)
+        if staging == "standby":
+            try:
+                landed = self.receive(group, names, dtypes, shapes, load_format, stages)
+            except ws_group.WeightSyncError as err:
+                return {"success": False, "weight_version": self.version,
+                        "message": f"receiving the update failed, nothing was written: {err}"}
+            return self.install(landed, weight_version, pause_mode, commit, stages)
 
         def apply() -> None:
-            weight_map = self.runner.weight_map
-            # Received in place where the parameter can take it (not a tensor-parallel shard map).
-            into = {n: weight_map[n].view for n, d in zip(names, dtypes)
-                    if not is_ignored(n) and weight_map[n].view.dtype == str_to_dtype(d)
-                    and weight_map[n].view.device.type != "meta"}
-            with closing(receive_tensors(group, names, dtypes, shapes, load_format,
-                                         device=self.runner.device, into=into)) as received:
-                # Tensors land in place, so a non-finite one is found after the write: the
-                # update then fails and the engine refuses to serve (never NaN logits).
-                self._write((n, t) for n, t in self._checked(received) if n not in into)
+            with one_thread():
+                receive_in_place(group, self.runner.weight_map, names, dtypes, shapes,
+                                 load_format, self.runner.config.check_weights_finite,
+                                 self.runner.device, stages)
 
-        return self._commit(apply, list(names), weight_version, pause_mode, commit)
+        return self._commit(apply, list(names), weight_version, pause_mode, commit, stages)
+
+    def receive(self, group: ws_group.WeightGroup, names: Sequence[str], dtypes: Sequence[str],
+                shapes: Sequence[Sequence[int]], load_format: str | None,
+                stages: Stages | None = None) -> Landed:
+        """A validated update received into the standby and checked; serving goes on."""
+        try:
+            with one_thread():
+                return receive_to_standby(self.standby, group, names, dtypes, shapes,
+                                          load_format, self.runner.config.check_weights_finite,
+                                          stages or Stages())
+        finally:
+            release_thread_team()  # this thread's team would throttle the scheduler's
+
+    def install(self, landed: Landed, weight_version: str | None, pause_mode: str,
+                commit: bool = True, stages: Stages | None = None) -> dict:
+        """Commit a received update: a swap (or a copy, when small) under the pause mode."""
+        try:
+            self._prepare(weight_version, pause_mode)
+            return self._commit(landed.install, landed.names, weight_version, pause_mode, commit,
+                                stages)
+        finally:
+            landed.drop()
 
     # tensor parallel (engine/distributed/tp_weight_sync.py): all ranks receive, all or none
 
@@ -230,21 +262,36 @@ class WeightManager:
                         commit: bool = True) -> dict:
         return self._commit(self.runner.apply_received, names, weight_version, pause_mode, commit)
 
-    # two-phase updates (engine/weights/prepared.py) reuse these checks
+    # the one validation of an update's names, dtypes and shapes: every path calls these
 
     def validate(self, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
                  complete: bool) -> None:
         self._validate(meta, complete)
 
+    def validate_update(self, names: Sequence[str], dtypes: Sequence[Any],
+                        shapes: Sequence[Sequence[int]]) -> None:
+        """A partial update (tensor, staged, distributed, two-phase): ValueError naming every
+        bad name, shape or dtype."""
+        self._validate(update_meta(names, dtypes, shapes), complete=False)
+
+    def check_broadcast(self, group: ws_group.WeightGroup, names: Sequence[str],
+                        dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                        load_format: str | None, also: Callable[[], Any] | None = None) -> None:
+        """Validate an update before receiving it (and run `also`, more checks); on a
+        ValueError take part in the broadcast anyway, discarding it, so the sender and the
+        other targets finish instead of timing out."""
+        check_load_format(load_format)
+        try:
+            self.validate_update(names, dtypes, shapes)
+            if also is not None:
+                also()
+        except ValueError:
+            self.discard(group, names, dtypes, shapes, load_format)
+            raise
+
     def proposed_version(self) -> str:
         """The version an update with weight_version=None would get now (not reserved)."""
         return str(_as_int(self.version) + 1)
-
-    def _checked(self, named: Iterable[tuple[str, torch.Tensor]]
-                 ) -> Iterable[tuple[str, torch.Tensor]]:
-        for item in named:
-            self._check_finite([item])
-            yield item
 
     def _write(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         write_weights(self.runner.weight_map, named)
@@ -253,31 +300,37 @@ class WeightManager:
     def _prepare(weight_version: str | None, pause_mode: str) -> str | None:
         """Check the remaining arguments; returns the requested version (None: automatic,
         chosen at commit)."""
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        check_pause_mode(pause_mode)
         if weight_version is not None and (not isinstance(weight_version, str)
                                            or not weight_version):
             raise ValueError("weight_version must be a non-empty string")
         return weight_version
 
     def _commit(self, apply: Callable[[], None], names: list[str], requested: str | None,
-                pause_mode: str, commit: bool = True) -> dict:
+                pause_mode: str, commit: bool = True, stages: Stages | None = None) -> dict:
         names = [n for n in names if not is_ignored(n)]  # never written, so never damaged
-        return self.scheduler.run(
-            lambda: self._commit_now(apply, names, requested, pause_mode, commit))
+        stages = stages or Stages()
+        try:
+            return self.scheduler.run(
+                lambda: self._commit_now(apply, names, requested, pause_mode, commit, stages))
+        finally:
+            self.last_stages = stages.seconds
 
     def _commit_now(self, apply: Callable[[], None], names: list[str], requested: str | None,
-                    pause_mode: str, commit: bool = True) -> dict:
+                    pause_mode: str, commit: bool, stages: Stages) -> dict:
         """Scheduler thread: pause per mode, write, bump the version, retire old namespaces.
         With commit=False, or while a stage is open, the write joins the stage instead."""
+        stages.lap("queue")
         if not commit or self.stage is not None:
             return self._stage_piece(apply, names, requested, pause_mode, commit)
         sched = self.scheduler
         start = time.perf_counter()
         version = self._next_version(requested)
         sched.apply_pause_mode(pause_mode)
+        stages.lap("pause")
         try:
             apply()
+            stages.lap("install")
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
             self._damaged |= set(names)
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
@@ -292,6 +345,7 @@ class WeightManager:
             self.incomplete = None
         sched.retire_namespaces(lambda ns: ns.weight_version != version)
         self.last_update_s = time.perf_counter() - start
+        stages.lap("commit")
         message = f"updated to version {version!r}"
         if self.incomplete is not None:
             message += (f"; still incomplete: {len(self._damaged)} tensor(s) from the failed "
@@ -378,6 +432,20 @@ class WeightManager:
         self.runner.weights_changed()
         self._damaged.clear()
         self.incomplete = None
+
+
+def update_meta(names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]]
+                ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """name -> (shape, dtype) of an update given as parallel lists (an unknown dtype: None)."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names, dtypes and shapes must have the same length, got "
+                         f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+    meta: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if name in meta:
+            raise ValueError(f"the update repeats the name {name!r}")
+        meta[name] = (tuple(shape), _dtype_or_none(dtype))
+    return meta
 
 
 def _as_int(version: str) -> int:

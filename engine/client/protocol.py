@@ -1,0 +1,238 @@
+"""The engine interface, declared once (docs/api.md#one-interface).
+
+`Engine` (in-process), `RemoteEngine` (one server over HTTP) and `hotswap.fleet.Router`
+(several servers) implement `EngineClient` with these exact signatures; a conformance test runs
+the same calls against each. Code that takes an engine (TokenClient, the rollout loops, the
+adapters, WeightSender targets) takes any of them.
+
+The rules every implementation shares live here too, each once: the pause modes, the largest
+`n`, and how `commit=None` resolves. This module imports nothing from the engine, so the
+scheduler, the weight manager and the server can all read the rules from it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
+MEMORY_TAGS = ("weights", "kv_cache")
+
+Prompt = str | list[str] | None
+SamplingArg = dict | list[dict] | None
+TokenIds = list[int] | list[list[int]] | None
+PerPrompt = str | list[str | None] | None
+
+
+def check_pause_mode(mode: Any, what: str = "pause_mode") -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"{what} must be one of {PAUSE_MODES}, got {mode!r}")
+    return mode
+
+
+def resolve_commit(commit: bool | None, flush_cache: bool) -> bool:
+    """commit=None commits when flush_cache is true: SGLang's trainers send flush_cache=False on
+    every bucket of an update but the last, so the buckets stage and the last one commits."""
+    return bool(flush_cache) if commit is None else bool(commit)
+
+
+def memory_tags(tags: list[str] | None) -> list[str]:
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list) or not tags or any(t not in MEMORY_TAGS for t in tags):
+        raise ValueError(f"tags must be a non-empty list drawn from {list(MEMORY_TAGS)}")
+    return tags
+
+
+class EngineClient(ABC):
+    """Everything a trainer or a rollout loop calls on an engine, wherever the engine runs.
+
+    Results of control calls are dicts with "success" and "message" (and "weight_version" for
+    updates); bad input raises ValueError before anything changes.
+    """
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops an in-process engine; closes a client's connections (the servers keep running)."""
+
+    # generation
+
+    @abstractmethod
+    def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
+                 input_ids: TokenIds = None, *, messages: list | None = None,
+                 return_logprob: bool = False, top_logprobs_num: int = 0,
+                 lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
+                 rid: PerPrompt = None, stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+        """One output per (prompt, sample), in the order given; a dict for one prompt with n=1.
+        The first three are positional in SGLang's order, the rest keyword-only."""
+
+    @abstractmethod
+    async def async_generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
+                             input_ids: TokenIds = None, *, messages: list | None = None,
+                             return_logprob: bool = False, top_logprobs_num: int = 0,
+                             lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
+                             rid: PerPrompt = None, stream: bool = False
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
+        """As generate; with stream=True an async iterator of incremental outputs."""
+
+    @abstractmethod
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Finishes the request `rid` (or every request) with finish_reason "abort"."""
+
+    # serving state
+
+    @abstractmethod
+    def pause_generation(self, mode: str = "retract") -> dict:
+        """Holds generation; running requests are aborted, retracted or kept (PAUSE_MODES)."""
+
+    @abstractmethod
+    def continue_generation(self) -> dict:
+        """Resumes generation, committing a staged weight update first."""
+
+    @abstractmethod
+    def flush_cache(self, timeout_s: float | None = None) -> dict:
+        """Drops the prefix cache (committing a staged update first); never raises because
+        work is in flight: waits up to timeout_s or reports."""
+
+    @abstractmethod
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Frees "weights" and/or "kv_cache" (None: both) while nothing runs."""
+
+    @abstractmethod
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Takes released memory back; released weights need a complete update to serve."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Runs the cache invariants' checks; AssertionError naming what broke."""
+
+    # weights: versions and one-call updates
+
+    @abstractmethod
+    def get_weight_version(self) -> str:
+        """The version new requests are served with."""
+
+    @abstractmethod
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """Relabels the serving weights (they do not change); old cache namespaces retire."""
+
+    @abstractmethod
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first truncate_size values of one weight (HF name), flattened, as floats."""
+
+    @abstractmethod
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True, *, weight_version: str | None = None,
+                                   pause_mode: str = "retract",
+                                   commit: bool | None = None) -> dict:
+        """(HF name, tensor) pairs or a dict; a subset of the weights is fine. commit=False
+        stages them (generation held) until commit_weight_update; None: see resolve_commit."""
+
+    @abstractmethod
+    def update_weights_from_serialized(self, serialized_named_tensors: list[str],
+                                       load_format: str | None = None, flush_cache: bool = True,
+                                       *, weight_version: str | None = None,
+                                       pause_mode: str = "retract",
+                                       commit: bool | None = None) -> dict:
+        """update_weights_from_tensor with the tensors as base64 safetensors, one string per
+        sender rank (the form of the HTTP route)."""
+
+    @abstractmethod
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                 weight_version: str | None = None, flush_cache: bool = True,
+                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
+        """Loads a checkpoint folder of the same architecture (a path the engine can read)."""
+
+    @abstractmethod
+    def commit_weight_update(self, weight_version: str | None = None) -> dict:
+        """Commits the staged update (calls with commit=False) as one version."""
+
+    @abstractmethod
+    def abort_weight_update(self) -> dict:
+        """Drops the staged update; if it wrote tensors, generation is refused until a
+        complete update succeeds."""
+
+    # weights: a trainer's process group
+
+    @property
+    @abstractmethod
+    def weight_sync_ranks(self) -> int:
+        """Ranks this target takes in a trainer's weight-update group (one per TP rank)."""
+
+    @abstractmethod
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "auto") -> dict:
+        """Joins the trainer's group at rank_offset (a TP engine at rank_offset + tp_rank)."""
+
+    @abstractmethod
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        load_format: str | None = None, *,
+                                        weight_version: str | None = None,
+                                        pause_mode: str = "retract",
+                                        commit: bool | None = None,
+                                        lora_name: str | None = None) -> dict:
+        """Receives a broadcast of these tensors (load_format "flattened_bucket": one buffer
+        per dtype); with lora_name they are that adapter's PEFT tensors."""
+
+    @abstractmethod
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """Leaves the group."""
+
+    # weights: two phases, for coordinators of several engines
+
+    @abstractmethod
+    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                         shapes: list[list[int]],
+                                         group_name: str = "weight_update_group",
+                                         load_format: str | None = None) -> dict:
+        """Receives and validates into staging while serving goes on; proposes a version."""
+
+    @abstractmethod
+    def prepare_weights_from_disk(self, model_path: str) -> dict:
+        """Reads and validates a checkpoint into staging while serving goes on."""
+
+    @abstractmethod
+    def commit_weights_update(self, weight_version: str | None = None,
+                              pause_mode: str = "retract") -> dict:
+        """Swaps the prepared weights in as one version."""
+
+    @abstractmethod
+    def abort_weights_update(self) -> dict:
+        """Drops the prepared weights; the serving ones never changed."""
+
+    # LoRA adapters
+
+    @abstractmethod
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                          pause_mode: str = "retract") -> dict:
+        """Loads or replaces an adapter from a PEFT folder; bumps its version."""
+
+    @abstractmethod
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
+                                       *, pause_mode: str = "retract") -> dict:
+        """tensors: PEFT name -> tensor; config_dict: the adapter_config.json dict."""
+
+    @abstractmethod
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unloads an adapter; its requests finish with "abort", its cache retires."""
+
+    @abstractmethod
+    def list_lora_adapters(self) -> dict[str, int]:
+        """Loaded adapters and their versions."""
+
+
+def interface_methods() -> frozenset[str]:
+    """The names every implementation must have, with EngineClient's signatures."""
+    return frozenset(name for name in dir(EngineClient) if not name.startswith("_"))

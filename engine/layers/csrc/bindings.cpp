@@ -1,0 +1,42 @@
+// Registers the kernels as torch.ops.hotswap.* and the fused decoder layers as
+// torch.classes.hotswap.DecodeLayers; layers/cpu_kernels.py wraps both.
+
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "decode_layer.h"
+#include "ops.h"
+
+TORCH_LIBRARY(hotswap, m) {
+  m.class_<hotswap::DecodeLayers>("DecodeLayers")
+      .def(torch::init<double, int64_t, int64_t>())
+      .def("add_layer", &hotswap::DecodeLayers::add_layer)
+      .def("__len__", &hotswap::DecodeLayers::size)
+      .def("forward", &hotswap::DecodeLayers::forward);
+  m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
+        "Tensor req_idx, Tensor seq_lens, float scale) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("sample_rows(Tensor x, Tensor? u) -> (Tensor, Tensor)");
+  m.def("head_amx() -> bool");
+  m.def("head_pack(Tensor weight) -> Tensor");
+  m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
+  m.impl("decode_attention", &hotswap::decode_attention);
+  m.impl("rotary_", &hotswap::rotary_);
+  m.impl("rms_norm", &hotswap::rms_norm);
+  m.impl("silu_and_mul", &hotswap::silu_and_mul);
+  m.impl("small_linear", &hotswap::small_linear);
+  m.impl("sample_rows", &hotswap::sample_rows);
+  m.impl("head_pack", &hotswap::head_pack);
+  m.impl("head_logits", &hotswap::head_logits);
+}
+
+TORCH_LIBRARY_IMPL(hotswap, CompositeExplicitAutograd, m) {
+  m.impl("head_amx", &hotswap::head_amx);
+}

@@ -1,0 +1,42 @@
+// The fused decoder layers, holding their weights once per model
+// (torch.classes.hotswap.DecodeLayers); apart from ops.h, as torch/custom_class.h is slow to
+// compile.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace hotswap {
+
+// How a fused layer multiplies: layers/linear.py's ATEN, ONEDNN and SMALL, which pick it.
+constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2;
+
+// One decoder layer's weights as linear() multiplies them on the stack's path (the packed copy
+// where there is one, except on PATH_SMALL).
+struct LayerWeights {
+  at::Tensor input_norm, qkv;
+  std::optional<at::Tensor> qkv_bias;
+  at::Tensor o, post_norm, gate_up, down;
+};
+
+// A model's decoder layers for the fused decode step, built once per set of weights (and path)
+// by models/llama.py, so that a step passes only what changes from step to step (forward).
+struct DecodeLayers : torch::CustomClassHolder {
+  DecodeLayers(double eps, int64_t path, int64_t num_heads);
+  void add_layer(at::Tensor input_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_bias,
+                 at::Tensor o, at::Tensor post_norm, at::Tensor gate_up, at::Tensor down);
+  int64_t size() const { return int64_t(layers.size()); }
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> k_bufs, std::vector<at::Tensor> v_bufs,
+                     at::Tensor cos, at::Tensor sin, at::Tensor loc, at::Tensor req_to_token,
+                     at::Tensor req_idx, at::Tensor seq_lens, double scale);
+
+  std::vector<LayerWeights> layers;
+  double eps;
+  int64_t path, num_heads;
+};
+
+}  // namespace hotswap

@@ -1,0 +1,36 @@
+// The kernels, registered as torch.ops.hotswap.* (bindings.cpp); the fused decoder layer
+// (decode_layer.cpp) calls them directly, with no dispatcher between a layer's parts. Every op
+// has a torch-ops twin in layers/ that the tests compare it with, and each output row depends
+// only on its own inputs, never on how many rows share the call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace hotswap {
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                            const at::Tensor& seq_lens, double scale);
+void store_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& k_buf,
+              const at::Tensor& v_buf, const at::Tensor& loc);
+at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
+                         const at::Tensor* residual);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual);
+bool head_amx();
+at::Tensor head_pack(const at::Tensor& w);
+at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                       const at::Tensor& packed, int64_t vocab);
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& x,
+                                               const std::optional<at::Tensor>& u);
+
+}  // namespace hotswap

@@ -1,0 +1,232 @@
+"""Router over two real server processes: prefix-affinity routing, pass-through routes and
+streams, and weight updates that commit on both servers or on neither."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+from fixtures import CORPUS, wait_healthy, write_tiny_chat_model
+from safetensors.torch import load_file
+
+from hotswap.engine import Engine, RemoteEngine
+from hotswap.engine.server.app import route_table
+from hotswap.fleet import PrefixAffinity, Router
+from hotswap.weight_sync import WeightSender
+from hotswap.weight_sync.group import free_port
+from hotswap.weight_sync.serialize import serialize_named_tensors
+
+ADMIN = "router-admin"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
+PREFIX_1 = " ".join(CORPUS[:3])
+PREFIX_2 = " ".join(CORPUS[3:])
+
+pytestmark = pytest.mark.slow
+
+
+def _start(args: list[str], cwd: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOTSWAP_API_KEY": "", "HOTSWAP_ADMIN_KEY": ""}
+    proc = subprocess.Popen([sys.executable, "-m", *args, "--port", str(port), "--admin-key",
+                             ADMIN, "--log-level", "warning"], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two servers of model `a`, started in different folders: the relative checkpoint path
+    "ckpt" is model `b` for the first and a model of another shape for the second."""
+    root = tmp_path_factory.mktemp("router")
+    a = write_tiny_chat_model(str(root / "a"), seed=0)
+    b = write_tiny_chat_model(str(root / "b"), seed=1)
+    os.makedirs(root / "x")
+    shutil.copytree(b, root / "x" / "ckpt")
+    write_tiny_chat_model(str(root / "y" / "ckpt"), seed=2, intermediate_size=192)
+    servers = [_start(["hotswap.engine.server", "--model-path", a, "--device", "cpu",
+                       "--max-total-tokens", "4096"], str(root / d)) for d in ("x", "y")]
+    urls = [u for _, u in servers]
+    # The router starts beside them: its /health is healthy once both servers are.
+    servers.append(_start(["hotswap.fleet", "--urls", *urls], str(root)))
+    procs = [p for p, _ in servers]
+    try:
+        wait_healthy(procs, servers[-1][1], 150)
+        router_url = servers[-1][1]
+        yield {"urls": urls, "router": router_url, "a": a, "b": b}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _generate(url: str, prompt: str) -> tuple[str, dict]:
+    r = httpx.post(f"{url}/generate", json={"prompt": prompt, "sampling_params": GREEDY},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers.get("x-hotswap-server", url), r.json()
+
+
+def test_shared_prefix_requests_land_on_the_server_holding_the_prefix(cluster):
+    router = cluster["router"]
+    first, out = _generate(router, PREFIX_1 + " What is it?")
+    second, _ = _generate(router, PREFIX_2 + " What is it?")
+    assert {first, second} == set(cluster["urls"])  # no shared prefix: load-balanced
+    prefix_tokens = out["meta_info"]["prompt_tokens"] - 6
+    for prefix, holder in ((PREFIX_1, first), (PREFIX_2, second), (PREFIX_1, first)):
+        server, out = _generate(router, prefix + " And where is the answer?")
+        assert server == holder
+        assert out["meta_info"]["cached_tokens"] >= prefix_tokens // 2
+    # The other server never saw PREFIX_1: it would have had to compute all of it.
+    _, cold = _generate(second, PREFIX_1 + " Something else entirely?")
+    assert cold["meta_info"]["cached_tokens"] == 0
+
+
+def test_openai_routes_and_streams_pass_through(cluster):
+    router = cluster["router"]
+    system = {"role": "system", "content": PREFIX_2}
+    body = {"model": "a", "max_tokens": 3, "temperature": 0,
+            "messages": [system, {"role": "user", "content": "Hello?"}]}
+    first = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=60)
+    assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] == 3
+    body["messages"] = [system, {"role": "user", "content": "How are you?"}]
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.headers["x-hotswap-server"] == first.headers["x-hotswap-server"]
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][5:])["object"] == "chat.completion.chunk"
+    models = httpx.get(f"{router}/v1/models", timeout=10)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "a"
+    bad = httpx.post(f"{router}/generate", json={"prompt": "x", "sampling_params": {"nope": 1}})
+    assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]
+    # Control routes need the admin key at the router as at the servers.
+    assert httpx.post(f"{router}/flush_cache", json={}).status_code == 401
+    flushed = httpx.post(f"{router}/flush_cache", json={}, headers=AUTH, timeout=30).json()
+    assert flushed["success"] and set(flushed["servers"]) == set(cluster["urls"])
+
+
+def test_update_refused_by_one_server_leaves_both_on_the_old_version(cluster):
+    router, urls = cluster["router"], cluster["urls"]
+    probe = "The quick brown fox"
+    before = [_generate(u, probe)[1]["output_ids"] for u in urls]
+    refused = httpx.post(f"{router}/update_weights_from_disk", json={"model_path": "ckpt"},
+                         headers=AUTH, timeout=60)
+    assert refused.status_code == 400
+    message = refused.json()["error"]["message"]
+    assert urls[1] in message and "no server committed" in message and urls[0] not in message
+    for url, want in zip(urls, before):
+        assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "0"
+        assert _generate(url, probe)[1]["output_ids"] == want  # x prepared it, then aborted
+
+    done = httpx.post(f"{router}/update_weights_from_disk", json={"model_path": cluster["b"]},
+                      headers=AUTH, timeout=60).json()
+    assert done["success"] and done["weight_version"] == "1"
+    assert httpx.get(f"{router}/get_weight_version").json() == {"weight_version": "1"}
+    with Engine(cluster["b"], device="cpu", max_total_tokens=1024) as fresh:
+        want = fresh.generate(prompt=probe, sampling_params=GREEDY)["output_ids"]
+    for url in urls:
+        got = _generate(url, probe)[1]
+        assert got["output_ids"] == want and got["meta_info"]["weight_version"] == "1"
+
+
+def test_weight_sender_through_a_router_updates_every_server(cluster):
+    tensors = load_file(f"{cluster['a']}/model.safetensors")
+    with Router(cluster["urls"], admin_key=ADMIN) as router:
+        sender = WeightSender("127.0.0.1", free_port(), world_size=3, backend="gloo",
+                              timeout_s=60)
+        try:
+            reply = sender.send(tensors, [router], weight_version="back-to-a")[0]
+        finally:
+            sender.close([router])
+        assert reply["success"], reply
+        assert router.get_weight_version() == "back-to-a"
+        for engine in router.engines:
+            got = engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=4)
+            assert got == tensors["model.embed_tokens.weight"][:4].tolist()
+        out = router.generate(prompt="Hello", sampling_params=GREEDY)
+        assert out["meta_info"]["weight_version"] == "back-to-a"
+    with RemoteEngine(cluster["router"]) as front:  # RemoteEngine speaks to a router too
+        assert front.get_weight_version() == "back-to-a"
+
+
+def test_every_server_route_is_served_by_the_router_app(cluster):
+    """The router app is built from the server's route table: no server route is a 404 or 405
+    through it (a probe body with an unknown field is refused with 400 where a body is read)."""
+    router = cluster["router"]
+    for method, path, _ in route_table():
+        r = httpx.request(method, f"{router}{path}", json={"probe_field": 1}, headers=AUTH,
+                          timeout=60)
+        assert r.status_code not in (404, 405), (method, path, r.status_code, r.text)
+
+
+def test_control_routes_reach_every_server(cluster):
+    router, urls = cluster["router"], cluster["urls"]
+    servers = [RemoteEngine(u, admin_key=ADMIN) for u in urls]
+    flushed = httpx.get(f"{router}/flush_cache", headers=AUTH, timeout=30)
+    assert flushed.status_code == 200 and set(flushed.json()["servers"]) == set(urls)
+
+    norm = torch.linspace(0.5, 1.5, 64)
+    body = {"serialized_named_tensors": [serialize_named_tensors({"model.norm.weight": norm})],
+            "weight_version": "norm-1"}
+    done = httpx.post(f"{router}/update_weights_from_tensor", json=body, headers=AUTH,
+                      timeout=60).json()
+    assert done["success"] and done["weight_version"] == "norm-1", done
+    for server in servers:
+        assert server.get_weight_version() == "norm-1"
+        assert server.get_weights_by_name("model.norm.weight", 3) == pytest.approx(
+            norm[:3].tolist())
+
+    # SGLang's bucketed form: flush_cache=False stages on every server, commit names one version.
+    staged = {**body, "flush_cache": False, "weight_version": None}
+    assert httpx.post(f"{router}/update_weights_from_tensor", json=staged, headers=AUTH,
+                      timeout=60).json()["success"]
+    committed = httpx.post(f"{router}/commit_weight_update", json={"weight_version": "norm-2"},
+                           headers=AUTH, timeout=60).json()
+    assert committed["success"] and [s.get_weight_version() for s in servers] == ["norm-2"] * 2
+
+    assert httpx.post(f"{router}/update_weights_from_tensor", json=staged, headers=AUTH,
+                      timeout=60).json()["success"]
+    aborted = httpx.post(f"{router}/abort_weight_update", headers=AUTH, timeout=60).json()
+    assert set(aborted["servers"]) == set(urls)
+    assert [s.get_weight_version() for s in servers] == ["norm-2"] * 2
+    # The aborted stage had written into both servers: both refuse until a complete update.
+    for url in urls:
+        assert httpx.get(f"{url}/health").status_code == 503
+    restored = httpx.post(f"{router}/update_weights_from_disk", json={"model_path": cluster["a"]},
+                          headers=AUTH, timeout=60).json()
+    assert restored["success"]
+    assert all(httpx.get(f"{url}/health").status_code == 200 for url in urls)
+
+
+def test_affinity_tree_matches_forgets_and_bounds_memory():
+    tree = PrefixAffinity(max_items=40)
+    tree.insert("hello world", 0)
+    tree.insert("hello there", 1)
+    tree.insert((1, 2, 3, 4), 1)
+    assert tree.match("hello world!") == {0: 11, 1: 6}
+    assert tree.match("help") == {0: 3, 1: 3}
+    assert tree.match((1, 2, 9)) == {1: 2}
+    tree.insert("another key that is long", 0)  # 24 more items: the oldest keys go
+    assert tree.match("hello world") == {1: 6}
+    tree.forget_server(1)
+    assert tree.match("hello there") == {} and tree.match("another") == {0: 7}
+
+
+def test_router_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="urls"):
+        Router([])
+    with pytest.raises(ValueError, match="repeats"):
+        Router(["http://a", "http://a/"])
+    with pytest.raises(ValueError, match="cache_threshold"):
+        Router(["http://a"], cache_threshold=2)
