@@ -38,21 +38,11 @@ from hotswap.engine.models.fetch import ensure_model
 from hotswap.weight_sync import WeightSender, init_process_group, plan_buckets
 from hotswap.weight_sync.group import free_port
 from hotswap.weight_sync.rpc import EngineProxy, RpcClient, RpcServer
+from hotswap.weight_sync.sender import hf_module_order
 
 FORMATS = (None, "flattened_bucket")
 PAUSE_MODES = ("retract", "in_place", "abort")
 TRAINER_METHODS = ("load", "connect", "send", "raw_open", "raw_round", "raw_close", "close")
-
-
-def hf_module_order(model_path: str, names: list[str]) -> list[str]:
-    """`names` in the order an HF model's named_parameters() yields them, as a trainer sends."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    rank = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
-    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
 class BenchTrainer:

@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import shutil
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from hotswap.weight_sync import WeightSender, init_process_group
 from hotswap.weight_sync.group import free_port
 from hotswap.weight_sync.rpc import EngineProxy
+from hotswap.weight_sync.sender import hf_module_order
 
 Tensors = dict[str, torch.Tensor]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,17 +44,6 @@ def perturbed(model_path: str, seed: int, scale: float = 0.1, dtype: str = "floa
         noise = torch.randn(base.shape, generator=gen)
         out[name] = (base + scale * base.abs().mean() * noise).to(DTYPES[dtype])
     return out
-
-
-def hf_module_order(model_path: str, names: Iterable[str]) -> list[str]:
-    """`names` in the order an HF model's named_parameters() yields them, as a trainer sends."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    rank = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
-    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
 def save_checkpoint(tensors: Tensors, src_dir: str, out_dir: str, drop: tuple[str, ...] = ()

@@ -320,3 +320,14 @@ def _failures(calls: list[_Call], targets: list[Any], timeout_s: float) -> dict[
         if why is not None:
             failures[f"target {i} ({target!r})"] = why
     return failures
+
+
+def hf_module_order(model_path: str, names: Iterable[str]) -> list[str]:
+    """`names` in the order an HF model's named_parameters() yields them, as a trainer sends."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    rank = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
