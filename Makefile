@@ -45,3 +45,18 @@ bench-weight-sync: model
 
 lint: setup
 	$(BIN)/ruff check .
+
+# verl's own trainer, two GRPO steps on CPU with hotswap rolling out (docs/rl.md#hotswap-in-verl).
+# verl pins transformers<5.11, so it gets its own virtualenv; 5-6 minutes (warm pip cache).
+VERL_VENV ?= .venv-verl
+.PHONY: test-verl
+
+$(VERL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip show torch >/dev/null 2>&1 || $(VERL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VERL_VENV)/bin/python -m pip install -q -e ".[verl]"
+	touch $@
+
+test-verl: model $(VERL_VENV)/.installed
+	$(VERL_VENV)/bin/python examples/verl/grpo_cpu.py --check

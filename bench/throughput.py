@@ -2,6 +2,7 @@
 
 python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c] [--repeats 1]
                            [--skip-hf] [--no-roofline] [--no-logprob-check]
+                           [--quantization int8]
 (a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
 (1) batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
 questions x 32 new tokens. Sampling at temperature 1.0, eos ignored on both sides so every
@@ -10,6 +11,9 @@ process, and each repeat runs them one after the other, so a slow period of this
 hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the
 decode matmul shapes (oneDNN, packed weights) and the share of that roofline each engine reaches,
 GB/s of weights read at batch 1, and the bf16 engine's logprob error against HF fp32 and bf16.
+With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
+first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
+tokens) are printed for each engine.
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ def unique_prefix_tokens(prompts: list[list[int]]) -> int:
     return sum(len(p) for p in ordered) - shared
 
 
-_ENGINE: Engine | None = None  # the engine of a worker process (one dtype per process)
+_ENGINE: Engine | None = None  # the engine of a worker process (one engine per process)
+# Engine labels beside the dtypes: label -> (dtype, extra Engine keywords).
+QUANTIZED = {"int8": ("bfloat16", {"quantization": "int8"})}
 
 
 def _start_engine(path: str, dtype: str, kwargs: dict) -> None:
@@ -152,10 +158,12 @@ def _median_s(repeats: int, fn, *args, **kwargs) -> float:
     return statistics.median(samples[3:])
 
 
-def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, repeats: int = 20
-                    ) -> dict[str, dict[str, float]]:
-    """dtype -> shape -> seconds of one [rows, in] x packed [in, out] matmul (oneDNN, median)."""
+def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, repeats: int = 20,
+                    int8: bool = False) -> dict[str, dict[str, float]]:
+    """dtype -> shape -> seconds of one [rows, in] x packed [in, out] matmul (oneDNN, median);
+    with int8, also "int8": the int8 linear of a bf16 x as the int8 engine runs it."""
     from hotswap.engine.layers.linear import linear, pack
+    from hotswap.engine.layers.quant import int8_linear, quantize_weight
 
     out: dict[str, dict[str, float]] = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -165,6 +173,13 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
             packed = pack(w)
             times[name] = _median_s(repeats, linear, x, w, packed=packed)
         out[str(dtype).removeprefix("torch.")] = times
+    if int8:
+        times = {}
+        for name, (k, n, _) in shapes.items():
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            qw = quantize_weight(torch.randn(n, k) * 0.05)
+            times[name] = _median_s(repeats, int8_linear, x, qw)
+        out["int8"] = times
     if cpu_kernels.available() and cpu_kernels.head_amx():
         # The float32 head of a bf16 engine as the engine runs it here: AMX matmuls of an exact
         # split (cpu_kernels.head_logits), not a float32 matmul.
@@ -191,11 +206,15 @@ def measure_read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
 
 def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
                    fp32_head: bool, rows: int = 64) -> float:
-    """Tokens/s if a decode step of `rows` rows did nothing but its matmuls at measured speed."""
+    """Tokens/s if a decode step of `rows` rows did nothing but its matmuls at measured speed
+    (dtype "int8": int8 layers, the head as bf16's)."""
     step = 0.0
     for name, (_, _, count) in shapes.items():
         if name == "lm_head" and fp32_head:
-            step += times[dtype].get("lm_head fp32", times["float32"]["lm_head"])
+            head = times["bfloat16" if dtype == "int8" else dtype]
+            step += head.get("lm_head fp32", times["float32"]["lm_head"])
+        elif name == "lm_head" and dtype == "int8":
+            step += times["bfloat16"][name]
         else:
             step += count * times[dtype][name]
     return rows / step
@@ -203,9 +222,10 @@ def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
 
 def weight_bytes(shapes: dict, dtype: str, fp32_head: bool) -> int:
     """Bytes of matmul weights one batch-1 decode step reads (with the CPU kernels built, the
-    float32 head of a bf16 model reads the bf16 weights at 1 row: cpu_kernels.small_linear)."""
-    size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    head = 4 if fp32_head and not cpu_kernels.available() else size
+    float32 head of a bf16 model reads the bf16 weights at 1 row: cpu_kernels.small_linear;
+    dtype "int8": int8 layers, a bf16 head)."""
+    size = 1 if dtype == "int8" else torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    head = 4 if fp32_head and not cpu_kernels.available() else max(size, 2)
     total = 0
     for name, (k, n, count) in shapes.items():
         total += k * n * count * (head if name == "lm_head" else size)
@@ -213,7 +233,8 @@ def weight_bytes(shapes: dict, dtype: str, fp32_head: bool) -> int:
 
 
 def print_matmul_rates(shapes: dict, times: dict[str, dict[str, float]], bandwidth: float) -> None:
-    print("machine: decode matmuls, 64 rows x packed weight (oneDNN), GFLOP/s:")
+    print("machine: decode matmuls, 64 rows x packed weight (oneDNN; int8: the int8 linear, "
+          "quantization of x included), GFLOP/s (int8: GOP/s):")
     for dtype, per in times.items():
         rates = "  ".join(f"{name} {2 * 64 * k * n / per[name] / 1e9:.0f}"
                           for name, (k, n, _) in shapes.items())
@@ -225,7 +246,7 @@ def print_matmul_rates(shapes: dict, times: dict[str, dict[str, float]], bandwid
 
 
 def logprob_errors(engine_pool, hf_pool, path: str, tokenizer) -> str:
-    """Mean/max |logprob - HF| over 256 tokens the engine sampled (4 prompts x 64)."""
+    """Mean/p99/max |logprob - HF| over 256 tokens the engine sampled (4 prompts x 64)."""
     prompts = chat_prompts(tokenizer, 4)
     res = engine_pool.apply(run_hotswap, (prompts, 1, 64, True))
     ours = [lp for _, lps in res["samples"] for lp in lps]
@@ -233,7 +254,9 @@ def logprob_errors(engine_pool, hf_pool, path: str, tokenizer) -> str:
     for ref_dtype in ("float32", "bfloat16"):
         ref = hf_pool.apply(hf_logprobs, (path, prompts, res["samples"], ref_dtype))
         diff = torch.tensor(ours) - torch.tensor(ref)
-        parts.append(f"vs HF {ref_dtype}: mean {diff.abs().mean():.4f} max {diff.abs().max():.4f}")
+        err = diff.abs()
+        parts.append(f"vs HF {ref_dtype}: mean {err.mean():.4f} p99 {err.quantile(0.99):.4f} "
+                     f"max {err.max():.4f}")
     return f"{len(ours)} tokens, " + "; ".join(parts)
 
 
@@ -249,9 +272,12 @@ def main() -> None:
     parser.add_argument("--no-fp32-lm-head", action="store_true")
     parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--no-logprob-check", action="store_true")
+    parser.add_argument("--quantization", choices=sorted(QUANTIZED), default=None,
+                        help="also run a quantized engine (first in every round)")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
-    dtypes = args.dtype.split(",")
+    # Engine labels: the quantized engine, then one per dtype.
+    dtypes = ([args.quantization] if args.quantization else []) + args.dtype.split(",")
     cfg = ModelConfig.from_path(path)
     shapes = matmul_shapes(cfg)
     ctx = mp.get_context("spawn")
@@ -259,12 +285,14 @@ def main() -> None:
     # README, "OpenMP and threads"), which would bias the comparison.
     if not args.no_roofline:
         with ctx.Pool(1) as pool:
-            times = pool.apply(measure_matmuls, (shapes,))
+            times = pool.apply(measure_matmuls, (shapes,), {"int8": bool(args.quantization)})
             bandwidth = pool.apply(measure_read_bandwidth)
         print_matmul_rates(shapes, times, bandwidth)
     kwargs = {"pack_weights": not args.no_pack_weights,
               "fp32_lm_head": not args.no_fp32_lm_head}
-    engines = {dt: ctx.Pool(1, initializer=_start_engine, initargs=(path, dt, kwargs))
+    specs = {dt: QUANTIZED.get(dt, (dt, {})) for dt in dtypes}
+    engines = {dt: ctx.Pool(1, initializer=_start_engine,
+                            initargs=(path, specs[dt][0], {**kwargs, **specs[dt][1]}))
                for dt in dtypes}
     hf_pool = None if args.skip_hf else ctx.Pool(1)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -285,6 +313,8 @@ def main() -> None:
         notes = [f"{dt}/HF {med[dt] / hf_med:.2f}x" for dt in dtypes]
         if "bfloat16" in med and "float32" in med:
             notes.insert(0, f"bf16/fp32 {med['bfloat16'] / med['float32']:.2f}x")
+        if "int8" in med and "bfloat16" in med:
+            notes.insert(0, f"int8/bf16 {med['int8'] / med['bfloat16']:.2f}x")
         for dt in dtypes:
             head32 = kwargs["fp32_lm_head"] and dt != "float32"
             if name == "1":
@@ -299,9 +329,11 @@ def main() -> None:
             runs = {dt: [r["tok_s"] for r in ours[dt]] for dt in dtypes} | {"HF": theirs}
             print(f"{'':<9}runs: " + "; ".join(
                 f"{k} [{', '.join(f'{v:.0f}' for v in vals)}]" for k, vals in runs.items()))
-            if "bfloat16" in runs and "float32" in runs:
-                ratios = [b / f for b, f in zip(runs["bfloat16"], runs["float32"], strict=True)]
-                print(f"{'':<9}bf16/fp32 per repeat: {', '.join(f'{x:.2f}x' for x in ratios)}")
+            for a, b in (("bfloat16", "float32"), ("int8", "bfloat16")):
+                if a in runs and b in runs:
+                    ratios = [x / y for x, y in zip(runs[a], runs[b], strict=True)]
+                    print(f"{'':<9}{a}/{b} per repeat: "
+                          f"{', '.join(f'{x:.2f}x' for x in ratios)}")
         r = ours[dtypes[0]][0]
         print(f"{'':<9}prefill computed / submitted {r['prefill_computed']} / "
               f"{r['prompt_submitted']} (trie-unique {unique_prefix_tokens(prompts)})")

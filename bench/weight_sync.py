@@ -1,23 +1,27 @@
 """Weight sync: a trainer process pushes SmolLM2-135M (fp32, ~540 MB) into an engine process.
 
 python bench/weight_sync.py [--repeats 5] [--bucket-mb 32] [--stall-requests 4]
-                            [--staging standby|none]
+                            [--staging standby none] [--quantization int8]
 
 This process runs the engine (reached through hotswap.weight_sync.rpc); a spawned trainer
 process holds perturbed weights and sends them with WeightSender over gloo on localhost.
 Measured in one run, between the same two processes:
 - end-to-end update time: WeightSender.send called -> every target committed the new version,
-  for load_format None (one broadcast per tensor) and "flattened_bucket";
+  for load_format None (one broadcast per tensor) and "flattened_bucket", and per staging mode
+  (the `staging` argument of each update: "standby", the default, and "none", in place);
 - a raw gloo broadcast of the same bytes in the same messages (one per tensor, or one per
   bucket), timed on the receiving side; the ratio e2e / raw is the price of the update protocol;
 - where the engine's share goes, per stage (the engine's own timings of each update), and what
   is left for the RPC and the sender: e2e minus the engine's stages;
-- the memory an update costs: peak RSS during the update minus RSS before it (the first update
-  of a run allocates the standby buffer, later ones reuse it);
+- the memory an update costs on the engine side (this process): peak RSS during the update
+  minus RSS before it; the first "standby" update of a run allocates the standby buffer (kept),
+  later ones reuse it;
 - the stall in-flight streaming requests see in each pause mode: the time between a request's
   last token under the old weights and its first under the new ones (this includes the first
   forward's rebuild of the packed weight copies, printed at the end). Under "abort" the client
   resubmits prompt + tokens so far at once, as an RL rollout worker would.
+With --quantization int8 the engine re-quantizes the new weights inside every update (stage
+"quantize" below); printed at the end: that stage's share of the update's e2e time.
 """
 
 from __future__ import annotations
@@ -168,7 +172,8 @@ def _reset_peak_rss() -> bool:
 
 
 class Update:
-    """One measured update: e2e at the trainer, the engine's stages, the RSS it cost."""
+    """One measured update: e2e at the trainer, the engine's stages, the RSS it cost (peak
+    during it and kept after it)."""
 
     def __init__(self, engine: Engine, trainer: RpcClient, **kwargs: Any) -> None:
         before = _status_mb("VmRSS")
@@ -178,16 +183,22 @@ class Update:
         self.e2e = out["seconds"]
         self.stages = dict(getattr(engine.weights, "last_stages", {}))  # absent before 31
         self.rss_mb = _status_mb("VmHWM") - before if peak_ok else float("nan")
+        self.kept_mb = _status_mb("VmRSS") - before
 
 
-def measure(engine: Engine, trainer: RpcClient, raw: RawGroup, sizes: dict, repeats: int
-            ) -> dict[str | None, tuple[list[Update], list[float]]]:
-    """Per format, `repeats` updates and as many raw rounds, alternating: raw, update, ..."""
-    out: dict[str | None, tuple[list[Update], list[float]]] = {f: ([], []) for f in FORMATS}
-    for _ in range(repeats):
-        for f in FORMATS:
-            out[f][1].append(raw.round(sizes[f]))
-            out[f][0].append(Update(engine, trainer, load_format=f))
+Row = tuple[str, str | None]  # (staging, load_format)
+
+
+def measure(engine: Engine, trainer: RpcClient, raw: RawGroup, sizes: dict, repeats: int,
+            stagings: list[str]) -> dict[Row, tuple[list[Update], list[float]]]:
+    """Per (staging, format), `repeats` updates and as many raw rounds, alternating: raw,
+    update, ...; the staging modes swap order every repeat."""
+    rows = [(s, f) for s in stagings for f in FORMATS]
+    out: dict[Row, tuple[list[Update], list[float]]] = {r: ([], []) for r in rows}
+    for i in range(repeats):
+        for staging, f in rows if i % 2 == 0 else rows[::-1]:
+            out[staging, f][1].append(raw.round(sizes[f]))
+            out[staging, f][0].append(Update(engine, trainer, load_format=f, staging=staging))
     return out
 
 
@@ -256,13 +267,13 @@ def print_stages(rows: list[tuple[str, list[Update], list[float]]]) -> None:
             stages += [s for s in u.stages if s not in stages]
     print("\nwhere an update's time goes (median s per stage; 'rpc+sender' = e2e minus the "
           "engine's stages)")
-    print(f"{'load_format':<18}" + "".join(f"{s:>10}" for s in stages)
+    print(f"{'staging, load_format':<26}" + "".join(f"{s:>10}" for s in stages)
           + f"{'rpc+sender':>12}{'e2e':>8}{'raw':>8}")
     for name, updates, raw_s in rows:
         cells = [statistics.median(u.stages.get(s, 0.0) for u in updates) for s in stages]
         rest = statistics.median(u.e2e - sum(u.stages.values()) for u in updates)
         e2e = statistics.median(u.e2e for u in updates)
-        print(f"{name:<18}" + "".join(f"{c:>10.3f}" for c in cells)
+        print(f"{name:<26}" + "".join(f"{c:>10.3f}" for c in cells)
               + f"{rest:>12.3f}{e2e:>8.3f}{statistics.median(raw_s):>8.3f}")
 
 
@@ -272,8 +283,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=32)
     parser.add_argument("--stall-requests", type=int, default=4)
-    parser.add_argument("--staging", default=None, choices=("standby", "none"),
-                        help="the engine's weight_staging (default: the engine's default)")
+    parser.add_argument("--staging", nargs="+", default=["standby", "none"],
+                        choices=("standby", "none"),
+                        help="the staging modes to compare, each update's `staging` argument")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="an int8 engine: every update re-quantizes the weights")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
     bucket_bytes = args.bucket_mb << 20
@@ -281,11 +295,11 @@ def main() -> None:
     shapes = trainer.call("load", model_path=path, seed=1, scale=0.02)
     specs = [(n, torch.float32, tuple(s)) for n, s in shapes]
     total = sum(torch.Size(s).numel() * 4 for _, _, s in specs)
-    staging = {} if args.staging is None else {"weight_staging": args.staging}
     engine = Engine(path, dtype="float32", max_total_tokens=16384, weight_update_timeout_s=300,
-                    **staging)
+                    quantization=args.quantization)
     print(f"model: {path}, {len(specs)} tensors, {total / 1e6:.0f} MB fp32; "
-          f"bucket {args.bucket_mb} MB; staging {args.staging or 'default'}; torch threads "
+          f"quantization {args.quantization}; "
+          f"bucket {args.bucket_mb} MB; staging {' and '.join(args.staging)}; torch threads "
           f"{torch.get_num_threads()}; median of {args.repeats}")
 
     sizes = {None: [torch.Size(s).numel() * 4 for _, _, s in specs],
@@ -295,12 +309,13 @@ def main() -> None:
     server = RpcServer(engine)
     trainer.call("connect", address=server.address, authkey=server.authkey,
                  master_port=free_port(), bucket_bytes=bucket_bytes, timeout_s=300)
-    measured = measure(engine, trainer, raw, sizes, args.repeats)
-    rows = [(str(f), *measured[f]) for f in FORMATS]
+    measured = measure(engine, trainer, raw, sizes, args.repeats, args.staging)
+    rows = [(f"{s}, {f}", *m) for (s, f), m in measured.items()]
     raw.close()
     stalls = {mode: measure_stall(engine, trainer, mode, args.stall_requests)
               for mode in PAUSE_MODES}
     repack_s = engine.scheduler.runner.last_pack_s
+    quant_mb = engine.scheduler.runner.quant_bytes / 1e6
     trainer.call("close")
     server.close()
     conn.send("stop")
@@ -311,26 +326,41 @@ def main() -> None:
           f"{statistics.median(raw_one):.3f} s ({total / statistics.median(raw_one) / 1e9:.2f} "
           f"GB/s); per tensor ({len(sizes[None])} messages) / per bucket "
           f"({len(sizes['flattened_bucket'])}) below, each update right after a raw round")
-    print(f"\n{'load_format':<18}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
-          f"{'e2e/raw':>9}{'pairs':>20}{'RSS +MB first':>15}{'later':>7}")
+    print("\n'peak +MB': peak RSS of the engine's process during an update minus its RSS before "
+          "(first: the row's first update; later: median of the others); 'kept +MB': RSS after "
+          "minus before, summed over the row's updates")
+    print(f"{'staging, load_format':<26}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
+          f"{'e2e/raw':>9}{'pairs':>12}{'peak +MB first':>16}{'later':>7}{'kept +MB':>10}")
     for name, updates, raws in rows:
         e2e, raw_s = statistics.median(u.e2e for u in updates), statistics.median(raws)
         pairs = sorted(u.e2e / r for u, r in zip(updates, raws))
         later = statistics.median(u.rss_mb for u in updates[1:]) if len(updates) > 1 else 0.0
-        print(f"{name:<18}{e2e:>8.3f}{total / e2e / 1e9:>7.2f}{raw_s:>8.3f}"
+        kept = sum(u.kept_mb for u in updates)
+        print(f"{name:<26}{e2e:>8.3f}{total / e2e / 1e9:>7.2f}{raw_s:>8.3f}"
               f"{total / raw_s / 1e9:>9.2f}{e2e / raw_s:>9.2f}"
-              f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>20}{updates[0].rss_mb:>15.0f}{later:>7.0f}")
+              f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>12}{updates[0].rss_mb:>16.0f}{later:>7.0f}"
+              f"{kept:>10.0f}")
     print_stages(rows)
     print(f"\nstall of {args.stall_requests} streaming requests per pause mode "
-          "(flattened_bucket; last old-version token -> first new-version token)")
+          "(flattened_bucket, staging standby; last old-version token -> first new-version "
+          "token)")
     print(f"{'pause_mode':<12}{'update s':>10}{'stall median':>14}{'stall max':>11}"
           f"{'stall/update':>14}")
     for mode, (values, update_s) in stalls.items():
         med = statistics.median(values)
         print(f"{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
               f"{med / update_s:>14.2f}")
-    print(f"\nthe first forward after an update rebuilds the packed weight copies (CPU fp32): "
-          f"{repack_s:.3f} s, inside the stalls above, not in e2e")
+    if args.quantization is None:
+        print(f"\nthe first forward after an update rebuilds the packed weight copies (CPU "
+              f"fp32): {repack_s:.3f} s, inside the stalls above, not in e2e")
+        return
+    print(f"\nquantization ({args.quantization} copies: {quant_mb:.0f} MB beside the float "
+          "weights), inside each update's transaction, in e2e:")
+    for name, updates, _ in rows:
+        shares = sorted(u.stages.get("quantize", 0.0) / u.e2e for u in updates)
+        seconds = statistics.median(u.stages.get("quantize", 0.0) for u in updates)
+        print(f"  {name:<26}quantize {seconds:.3f} s = {statistics.median(shares):.0%} of e2e "
+              f"(range {shares[0]:.0%}-{shares[-1]:.0%})")
 
 
 if __name__ == "__main__":

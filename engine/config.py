@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = (None, "int8")
 # CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -40,6 +42,14 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # Mixture of experts (docs/moe.md); num_experts 0 is a dense model. A layer is sparse unless
+    # listed in mlp_only_layers or off the decoder_sparse_step grid, as in HF's Qwen3-MoE.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -76,9 +86,10 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
@@ -96,6 +107,37 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's MoE fields from an HF config.json (HF's names and defaults)."""
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size
+        return dict(num_experts=cfg.get("num_local_experts", 8),
+                    num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    # transformers 5 writes num_experts as num_local_experts (Qwen3MoeConfig.attribute_map).
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    for key, value in (("num_experts", experts),
+                       ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+                       ("num_experts_per_tok", cfg.get("num_experts_per_tok"))):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json field '{key}' must be a positive integer for "
+                             f"{arch}, got {value!r}")
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
 
 @dataclass(frozen=True)
@@ -128,6 +170,9 @@ class EngineConfig:
     # then restores them, so a colocated trainer need not push weights before generating.
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1  # checked, and torchrun's environment read, in distributed/launch.py
+    # Expert parallelism (SGLang's name) is not implemented: anything but 1 is refused; tp_size
+    # splits every expert's intermediate dimension instead (docs/moe.md).
+    ep_size: int = 1
     launcher: str = "spawn"
     max_lora_rank: int = 64  # the largest LoRA rank an adapter may have
     max_loras_per_batch: int = 8  # distinct adapters in one step; also the adapter pool's slots
@@ -145,6 +190,11 @@ class EngineConfig:
     # bf16/fp16 models: final norm, lm_head and log-softmax in float32 (logprobs fit for RL; a
     # float32 copy of the lm_head weight). False: the lm_head runs in the model's dtype.
     fp32_lm_head: bool = True
+    # "int8": every linear layer but the lm_head as int8 weights x int8 activations, on CPU
+    # (layers/quant.py); the int8 copies are rebuilt inside every weight update.
+    # quantize_lm_head: the lm_head too (faster, larger logprob error).
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
@@ -168,9 +218,23 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         self._check_hicache()
+        self._check_quantization(device)
+        if self.ep_size != 1:
+            raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
+                             "tp_size splits every expert over the ranks instead")
         context = self.context_length or model.max_position_embeddings
         return replace(self, device=device, dtype=dtype, attention_backend=backend,
                        context_length=context)
+
+    def _check_quantization(self, device: str) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
+        if self.quantization is not None and device != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only, not on "
+                             f"device={device!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs quantization='int8'")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from hotswap.engine.client.protocol import (
     EngineClient,
     check_pause_mode,
+    check_staging,
     memory_tags,
     resolve_commit,
 )
@@ -58,7 +59,8 @@ class Engine(EngineClient):
         self.loras = LoRAManager(self.config, model_config, self.runner.device,
                                  self.runner.dtype)
         self.scheduler = Scheduler(self.config, self.runner, self.outputs,
-                                   lambda: self.weights.version, self.loras)
+                                   lambda: self.weights.version, self.loras,
+                                   lambda: self.weights.epoch)
         self.weights.attach(self.scheduler)
         self.prepared = PreparedUpdate(self.weights)
         self.loras.attach(self.scheduler)
@@ -311,19 +313,27 @@ class Engine(EngineClient):
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
                                         commit: bool | None = None,
-                                        lora_name: str | None = None) -> dict:
+                                        lora_name: str | None = None,
+                                        staging: str | None = None) -> dict:
         """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
-        it (bumping its version); the base weights and their version are untouched."""
+        it (bumping its version); the base weights and their version are untouched. staging:
+        where base weights land (docs/api.md#where-an-update-lands); an adapter is always
+        received beside the serving one."""
         if lora_name is not None:
             group = self.weights.group(group_name)
-            if self.config.tp_size > 1:  # take part in the broadcast, so the sender finishes
-                self.weights.discard(group, names, dtypes, shapes, load_format)
+            try:
+                if staging is not None:
+                    check_staging(staging)
                 self._check_lora_supported()
+            except ValueError:  # take part in the broadcast, so the sender finishes
+                self.weights.discard(group, names, dtypes, shapes, load_format)
+                raise
             return self.loras.update_from_distributed(
                 lora_name, group, names, dtypes, shapes, load_format, pause_mode)
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
                                                     weight_version, pause_mode, load_format,
-                                                    resolve_commit(commit, flush_cache))
+                                                    resolve_commit(commit, flush_cache),
+                                                    staging)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hotswap.engine.client.protocol import per_prompt
 from hotswap.engine.core.request import Req
 from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.grammar.manager import GrammarManager
@@ -34,10 +35,10 @@ class RequestBuilder:
         self.check_servable()
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
         count = len(prompts)
-        params = _per_prompt(sampling_params, count, "sampling_params", dict)
-        salts = _per_prompt(cache_salt, count, "cache_salt", str)
-        loras = _per_prompt(lora_name, count, "lora_name", str)
-        rids = _per_prompt(rid, count, "rid", str)
+        params = per_prompt(sampling_params, count, "sampling_params", dict)
+        salts = per_prompt(cache_salt, count, "cache_salt", str)
+        loras = per_prompt(lora_name, count, "lora_name", str)
+        rids = per_prompt(rid, count, "rid", str)
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
             raise ValueError("top_logprobs_num must be an integer in [0, 100]")
         if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
@@ -117,13 +118,3 @@ class RequestBuilder:
                              f"{self.kv_tokens()}")
         sp.check_vocab(vocab)
         self.check_lora(lora)
-
-
-
-def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
-    if value is None or isinstance(value, kind):
-        return [value] * count
-    if isinstance(value, list) and len(value) == count and all(
-            v is None or isinstance(v, kind) for v in value):
-        return list(value)
-    raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")

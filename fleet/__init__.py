@@ -2,6 +2,8 @@
 
 `Router(urls)` fronts several `python -m hotswap.engine.server` processes as one EngineClient;
 `create_router_app(router)` is its HTTP front, and `python -m hotswap.fleet --urls ...` runs it.
+`RayFleet(model_path, replicas=N)` starts engine replicas as Ray actors (`EngineReplica`) and is
+one EngineClient too; it needs the `ray` extra, imported only when used.
 """
 
 from __future__ import annotations
@@ -9,15 +11,25 @@ from __future__ import annotations
 from typing import Any
 
 from hotswap.fleet.affinity import PrefixAffinity
-from hotswap.fleet.router import Router, ServersDisagree
+from hotswap.fleet.coordinator import ServersDisagree
+from hotswap.fleet.router import Router
 
-__all__ = ["PrefixAffinity", "Router", "ServersDisagree", "create_router_app"]
+__all__ = ["EngineReplica", "PrefixAffinity", "RayFleet", "ReplicaGone", "Router",
+           "ServersDisagree", "create_router_app"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the Python API needs no web framework.
+    # Lazy: the Python API needs no web framework, and no Ray unless a fleet is made.
     if name == "create_router_app":
         from hotswap.fleet.router_app import create_router_app
 
         return create_router_app
+    if name in ("RayFleet", "ReplicaGone"):
+        from hotswap.fleet import ray_fleet
+
+        return getattr(ray_fleet, name)
+    if name == "EngineReplica":
+        from hotswap.fleet.replica import EngineReplica
+
+        return EngineReplica
     raise AttributeError(name)

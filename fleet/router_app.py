@@ -42,7 +42,8 @@ from hotswap.engine.server.protocol import (
 from hotswap.engine.server.serving import GuardMiddleware, error_response, json_response
 from hotswap.engine.server.sglang_compat import UpdateFromTensorRequest, WeightVersionBody
 from hotswap.fleet.affinity import affinity_key
-from hotswap.fleet.router import Router, ServersDisagree
+from hotswap.fleet.coordinator import ServersDisagree, failures
+from hotswap.fleet.router import Router
 
 logger = logging.getLogger("hotswap.router")
 
@@ -102,8 +103,8 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
 
     @app.get("/health")
     async def health() -> Response:
-        results = await asyncio.to_thread(router.fan_out, lambda e: e.health())
-        failed = router.failures(results)
+        results = await asyncio.to_thread(router.call_each, lambda e: e.health())
+        failed = failures(results)
         if failed:
             return error_response(503, f"unhealthy servers: {failed}", "server_unavailable")
         return json_response({"status": "ok", "servers": len(router.urls)})

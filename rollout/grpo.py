@@ -7,9 +7,14 @@ last number of the answer), keeps the groups whose rewards differ, and computes 
 the trainer takes one clipped policy-gradient step with the engine's logprobs as the old
 logprobs; the new weights are pushed into the running engine (in-process with
 `update_weights_from_tensor`, or, with `--transport gloo`, into an engine server process over a
-gloo group by `hotswap.weight_sync.WeightSender`). `--async` samples the next batch while the
-trainer trains (AsyncRollout, staleness bounded by --max-staleness). Metrics go to wandb
+gloo group by `hotswap.weight_sync.WeightSender`). `--fleet ray --replicas N` samples from N
+engine replicas on Ray (hotswap.fleet.RayFleet) and pushes to all of them every step, through
+Ray's object store or, with `--transport gloo`, one broadcast. `--async` samples the next batch
+while the trainer trains (AsyncRollout, staleness bounded by --max-staleness). Metrics go to wandb
 (offline unless WANDB_MODE says otherwise) and to the console as one row per step.
+`--quantization int8` samples from an int8 engine (the trainer stays float32); `--tis C` then
+weights the loss by truncated importance sampling (rollout/importance.py): the PPO ratio is taken
+against the trainer's own logprobs and each token weighted by min(pi_trainer / pi_rollout, C).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from hotswap.rollout.advantages import nonzero_std
 from hotswap.rollout.agent_loops import SingleTurn
 from hotswap.rollout.client import TokenClient
 from hotswap.rollout.collect import collect
+from hotswap.rollout.importance import MODES, importance_weights
 from hotswap.rollout.rewards import exact_match
 from hotswap.rollout.tracking import Tracker, batch_metrics
 from hotswap.rollout.trajectory import RolloutBatch
@@ -60,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport", choices=["tensor", "gloo"], default="tensor",
                    help="tensor: engine in this process, update_weights_from_tensor; gloo: "
                         "engine server in its own process, WeightSender over a gloo group")
+    p.add_argument("--fleet", choices=["none", "ray"], default="none",
+                   help="ray: --replicas engine replicas as Ray actors (pip install "
+                        "'hotswap[ray]'), one weight version for all")
+    p.add_argument("--replicas", type=int, default=2, help="--fleet ray: engine replicas")
     p.add_argument("--async", dest="async_mode", action="store_true",
                    help="sample the next batch while training (AsyncRollout)")
     p.add_argument("--max-staleness", type=int, default=1,
@@ -73,9 +83,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=16384,
                    help="engine KV pool in tokens (small: the trainer shares the memory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: the engine samples with int8 weights x int8 activations (CPU)")
+    p.add_argument("--tis", type=float, default=None, metavar="C",
+                   help="importance-sampling correction of the rollout/trainer mismatch: "
+                        "token weights min(ratio, C) (rollout/importance.py)")
+    p.add_argument("--tis-mode", choices=MODES, default="token",
+                   help="--tis: token (truncated) or sequence (drop sequences whose ratio "
+                        "leaves [1/C, C])")
     args = p.parse_args(argv)
-    if min(args.steps, args.prompts, args.group_size, args.max_new_tokens) < 1:
-        raise SystemExit("--steps, --prompts, --group-size and --max-new-tokens must be >= 1")
+    if min(args.steps, args.prompts, args.group_size, args.max_new_tokens, args.replicas) < 1:
+        raise SystemExit("--steps, --prompts, --group-size, --max-new-tokens and --replicas "
+                         "must be >= 1")
+    if args.tis is not None and not args.tis > 1:
+        raise SystemExit("--tis C needs C > 1")
     return args
 
 
@@ -92,15 +113,17 @@ def addition_rows(count: int, seed: int) -> list[dict]:
 
 @dataclass
 class EngineHandle:
-    backend: Any  # Engine or RemoteEngine
+    backend: Any  # Engine, RemoteEngine or RayFleet
     push: Callable[[list[tuple[str, torch.Tensor]], str], None]
     close: Callable[[], None]
 
 
-def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
+def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int,
+                     quantization: str | None = None) -> EngineHandle:
     from hotswap.engine import Engine
 
-    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens)
+    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens,
+                    quantization=quantization)
 
     def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
         reply = engine.update_weights_from_tensor(named, weight_version=version)
@@ -110,16 +133,18 @@ def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int) -> Engine
     return EngineHandle(engine, push, engine.shutdown)
 
 
-def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int) -> EngineHandle:
+def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int,
+                         quantization: str | None = None) -> EngineHandle:
     """The engine as `python -m hotswap.engine.server` in a child process; weights over gloo."""
     from hotswap.engine import RemoteEngine
     from hotswap.weight_sync import WeightSender
 
     port, admin = free_port(), secrets.token_hex(8)
+    quant = ["--quantization", quantization] if quantization else []
     proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", path,
                              "--port", str(port), "--admin-key", admin, "--dtype", dtype,
                              "--seed", str(seed), "--max-total-tokens", str(kv_tokens),
-                             "--log-level", "warning"])
+                             "--log-level", "warning", *quant])
     remote = RemoteEngine(f"http://127.0.0.1:{port}", admin_key=admin)
     _wait_healthy(remote, proc)
     sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
@@ -157,7 +182,8 @@ class Trainer:
     """An HF causal LM taking clipped policy-gradient steps on RolloutBatches."""
 
     def __init__(self, path: str, lr: float, clip: float, temperature: float,
-                 micro_batch: int, dtype: str, pad_id: int):
+                 micro_batch: int, dtype: str, pad_id: int, tis: float | None = None,
+                 tis_mode: str = "token"):
         import transformers
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
@@ -166,27 +192,36 @@ class Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.clip, self.temperature = clip, temperature
         self.micro_batch, self.pad_id = micro_batch, pad_id
+        self.tis, self.tis_mode = tis, tis_mode
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step: token-mean clipped surrogate over every trainable token."""
+        """One optimizer step: token-mean clipped surrogate over every trainable token. Without
+        --tis the engine's logprobs are the old policy; with it the trainer's own are, and each
+        token is weighted by importance_weights(trainer, engine)."""
         t = batch.to_tensors(self.pad_id)
         total = t["loss_mask"].sum().clamp(min=1)
         self.optim.zero_grad()
-        sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0}
+        sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0, "truncated": 0.0}
         for lo in range(0, len(batch), self.micro_batch):
             part = {k: v[lo: lo + self.micro_batch] for k, v in t.items()}
             logp = response_logprobs(self.model, part, self.temperature)
-            mask, old = part["loss_mask"], part["behavior_logprobs"]
+            mask, behavior = part["loss_mask"], part["behavior_logprobs"]
+            old, weights = behavior, mask
+            if self.tis is not None:
+                old = logp.detach()
+                iw = importance_weights(old, behavior, mask, self.tis, self.tis_mode)
+                weights = iw.weights
+                sums["truncated"] += (iw.truncated & mask.bool()).sum().item()
             ratio = torch.exp(logp - old)
             adv = part["advantages"][:, None]
             surrogate = torch.minimum(ratio * adv,
                                       ratio.clamp(1 - self.clip, 1 + self.clip) * adv)
-            loss = -(surrogate * mask).sum() / total
+            loss = -(surrogate * weights).sum() / total
             loss.backward()
-            diff = (logp.detach() - old) * mask
+            diff = (logp.detach() - behavior) * mask  # the rollout-vs-trainer mismatch
             sums["abs_diff"] += diff.abs().sum().item()
             sums["kl"] += ((torch.exp(-diff) - 1 + diff) * mask).sum().item()  # k3 estimator
             sums["clipped"] += (((ratio - 1).abs() > self.clip).float() * mask).sum().item()
@@ -194,9 +229,12 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0).item()
         self.optim.step()
         n = total.item()
-        return {"mismatch/abs_diff": sums["abs_diff"] / n, "mismatch/kl": sums["kl"] / n,
-                "train/clip_fraction": sums["clipped"] / n, "train/loss": sums["loss"],
-                "train/grad_norm": grad_norm}
+        metrics = {"mismatch/abs_diff": sums["abs_diff"] / n, "mismatch/kl": sums["kl"] / n,
+                   "train/clip_fraction": sums["clipped"] / n, "train/loss": sums["loss"],
+                   "train/grad_norm": grad_norm}
+        if self.tis is not None:
+            metrics["mismatch/tis_truncated"] = sums["truncated"] / n
+        return metrics
 
 
 def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
@@ -213,10 +251,64 @@ def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
     return torch.log_softmax(logits, -1).gather(2, t["response_ids"][..., None])[..., 0]
 
 
+def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: int,
+                    transport: str, quantization: str | None = None) -> EngineHandle:
+    """`replicas` engines as Ray actors (a local Ray unless one is running), one CPU each."""
+    from hotswap.fleet import RayFleet
+    from hotswap.weight_sync import WeightSender
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray: 127.0.0.1
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    fleet = RayFleet(path, replicas=replicas, engine_kwargs={
+        "dtype": dtype, "seed": seed, "max_total_tokens": kv_tokens,
+        "quantization": quantization})
+    sender = (WeightSender("127.0.0.1", free_port(), world_size=1 + fleet.weight_sync_ranks,
+                           backend="gloo", bucket_bytes=32 << 20)
+              if transport == "gloo" else None)
+
+    def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
+        if sender is not None:
+            sender.send(named, [fleet], weight_version=version)
+            return
+        reply = fleet.update_weights_from_tensor(named, weight_version=version)
+        if not reply["success"]:
+            raise RuntimeError(f"weight update failed: {reply['message']}")
+
+    def close() -> None:
+        try:
+            if sender is not None:
+                sender.close([fleet])
+        finally:
+            fleet.shutdown()
+
+    return EngineHandle(fleet, push, close)
+
+
+def replica_metrics(fleet: Any, before: dict[int, dict], seconds: float
+                    ) -> tuple[dict[str, Any], dict[int, dict]]:
+    """Per replica since `before`: requests, tokens per second of the step, weight version."""
+    now = {r["index"]: r for r in fleet.replicas_info()}
+    metrics: dict[str, Any] = {}
+    cells = []
+    for index, r in sorted(now.items()):
+        old = before.get(index, {"requests": 0, "tokens": 0})
+        requests, tokens = r["requests"] - old["requests"], r["tokens"] - old["tokens"]
+        rate = tokens / seconds if seconds > 0 else math.nan
+        metrics.update({f"replica/{index}/requests": requests,
+                        f"replica/{index}/tokens_per_s": rate})
+        cells.append(f"{index}:{requests}r {rate:.0f}t/s v{r['weight_version']} {r['state'][0]}")
+    metrics["fleet/replicas"] = " | ".join(cells)
+    return metrics, now
+
+
 @contextmanager
 def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
-    start = start_server_process if args.transport == "gloo" else start_in_process
-    handle = start(path, args.dtype, args.seed, args.max_total_tokens)
+    if args.fleet == "ray":
+        handle = start_ray_fleet(path, args.dtype, args.seed, args.max_total_tokens,
+                                 args.replicas, args.transport, args.quantization)
+    else:
+        start = start_server_process if args.transport == "gloo" else start_in_process
+        handle = start(path, args.dtype, args.seed, args.max_total_tokens, args.quantization)
     try:
         yield handle
     finally:
@@ -271,17 +363,26 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         client = TokenClient(handle.backend, tokenizer=path, sampling={
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
         trainer = Trainer(path, args.lr, args.clip, args.temperature, args.micro_batch,
-                          args.dtype, pad_id=client.tokenizer.pad_token_id or 0)
+                          args.dtype, pad_id=client.tokenizer.pad_token_id or 0, tis=args.tis,
+                          tis_mode=args.tis_mode)
         tracker = Tracker(project=args.wandb_project, dir=args.wandb_dir, config=vars(args),
                           total_steps=args.steps, console=not args.quiet)
-        print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}"
+        fleet = (f", {args.replicas} Ray replicas" if args.fleet == "ray" else "")
+        fleet += f", {args.quantization} rollouts" if args.quantization else ""
+        fleet += f", TIS C={args.tis:g} ({args.tis_mode})" if args.tis is not None else ""
+        print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}{fleet}"
               f"{', async' if args.async_mode else ''}, {args.prompts} groups x "
               f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}",
               flush=True)
         reward = reward or exact_match()
         source = (async_batches if args.async_mode else batches)(args, client, reward)
+        replicas: dict[int, dict] = {}
         for step, batch in enumerate(source):
             metrics = train_and_push(args, step, batch, trainer, handle, client)
+            if args.fleet == "ray":
+                extra, replicas = replica_metrics(handle.backend, replicas,
+                                                  metrics["time/rollout_s"])
+                metrics.update(extra)
             history.append(metrics)
             tracker.log(step, metrics, samples_table(batch, client.tokenizer,
                                                      args.samples_per_step))

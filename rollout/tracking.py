@@ -21,8 +21,10 @@ COLUMNS = [
     ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
     ("rollout/cache_hit_rate", "cache", 5, ".2f"), ("staleness/version_lag_max", "lag", 3, ".0f"),
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
+    ("mismatch/tis_truncated", "tis cut", 7, ".3f"),
     ("time/rollout_s", "roll s", 6, ".1f"), ("time/train_s", "train s", 7, ".1f"),
     ("time/weight_sync_s", "sync s", 6, ".2f"),
+    ("fleet/replicas", "replicas: requests, tok/s, version, state", 0, ""),
 ]
 
 

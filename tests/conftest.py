@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
     # first imported, and other test modules import it early (peft does), so set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Ray (tests/fleet): 127.0.0.1 only, no usage reports, no dashboard.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 TINY_COMMON = dict(
     hidden_size=64,
     intermediate_size=128,

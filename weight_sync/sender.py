@@ -3,12 +3,14 @@
 A target is anything with the engine's weight methods (init_weights_update_group,
 update_weights_from_distributed, destroy_weights_update_group): an in-process Engine or a
 RemoteEngine over HTTP. Each target takes one rank, or `target.weight_sync_ranks` consecutive
-ranks when it fronts several engines (a Router): target i starts after the ranks before it.
+ranks when it fronts several engines (a Router, a RayFleet): target i starts after the ranks
+before it. A fleet whose replicas change between sends gets a group re-formed for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,6 +27,8 @@ from hotswap.weight_sync.group import (
     resolve_backend,
 )
 from hotswap.weight_sync.receiver import check_load_format
+
+logger = logging.getLogger("hotswap.weight_sync")
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -85,6 +89,7 @@ class WeightSender:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group: WeightGroup | None = None
+        self._members: tuple | None = None  # the targets' membership the group was made with
 
     @property
     def connected(self) -> bool:
@@ -116,6 +121,22 @@ class WeightSender:
             raise WeightSyncError(f"targets failed to join {self.group_name!r}: {failures}",
                                   failures)
         self.group = group
+        self._members = _membership(targets)
+
+    def _follow_membership(self, targets: list[Any]) -> None:
+        """A fleet whose replicas changed since the group was made (one died, joined or
+        left): the group is re-formed for the replicas it has now, at the next send."""
+        if self._members is None or _membership(targets) == self._members:
+            return
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        failures = self._destroy_targets(targets)
+        if failures:
+            logger.warning("re-forming %r: destroying the old group failed on %s",
+                           self.group_name, failures)
+        self._members = None
+        self.world_size = 1 + sum(_ranks_of(t) for t in targets)
 
     def send(
         self,
@@ -126,6 +147,7 @@ class WeightSender:
         flush_cache: bool = True,
         pause_mode: str = "retract",
         lora_name: str | None = None,
+        staging: str | None = None,
     ) -> list[dict]:
         """Returns every target's reply once all applied the update; raises WeightSyncError
         naming each target that did not. Tensors travel in the trainer's dtypes.
@@ -134,12 +156,20 @@ class WeightSender:
         (all receive and validate into staging, then all commit; on any failure all abort), so
         they never end on different versions; each must have the engine's prepare/commit/abort
         methods (Engine, RemoteEngine). With `lora_name` the tensors are that LoRA adapter's
-        (PEFT names) and replace it on every target in one phase."""
-        extra = {} if lora_name is None else {"lora_name": lora_name}
+        (PEFT names) and replace it on every target in one phase. `staging` goes to a single
+        target's update_weights_from_distributed ("standby" | "none"; None: the target's
+        default); two phases always receive beside the live weights, so they refuse "none"."""
+        extra = {k: v for k, v in {"lora_name": lora_name, "staging": staging}.items()
+                 if v is not None}
         two_phase = len(targets) > 1 and lora_name is None
+        if two_phase and staging not in (None, "standby"):
+            raise ValueError(f"staging={staging!r} with {len(targets)} targets: two-phase "
+                             "updates receive beside the live weights so that all or none "
+                             "commit; use 'standby' or None")
         check_load_format(load_format)
         tensors = _as_list(named_tensors)
         targets = list(targets)
+        self._follow_membership(targets)
         self._check_targets(targets)
         if two_phase:
             _check_two_phase(targets)
@@ -278,6 +308,11 @@ def _as_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
 
 def _ranks_of(target: Any) -> int:
     return int(getattr(target, "weight_sync_ranks", 1))
+
+
+def _membership(targets: list[Any]) -> tuple:
+    """What a group made now would hold: a fleet names its replicas (weight_sync_members)."""
+    return tuple(getattr(t, "weight_sync_members", None) for t in targets)
 
 
 def _rank_offsets(targets: list[Any]) -> list[int]:

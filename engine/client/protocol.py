@@ -5,9 +5,9 @@
 the same calls against each. Code that takes an engine (TokenClient, the rollout loops, the
 adapters, WeightSender targets) takes any of them.
 
-The rules every implementation shares live here too, each once: the pause modes, the largest
-`n`, and how `commit=None` resolves. This module imports nothing from the engine, so the
-scheduler, the weight manager and the server can all read the rules from it.
+The rules every implementation shares live here too, each once: the pause modes, the staging
+modes, the largest `n`, and how `commit=None` resolves. This module imports nothing from the
+engine, so the scheduler, the weight manager and the server can all read the rules from it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# Where a distributed update lands: "standby" beside the live weights (refused before any write),
+# "none" in place (no extra memory; a bad tensor found after its write stops generation).
+STAGING_MODES = ("standby", "none")
 MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
 MEMORY_TAGS = ("weights", "kv_cache")
 
@@ -32,10 +35,26 @@ def check_pause_mode(mode: Any, what: str = "pause_mode") -> str:
     return mode
 
 
+def check_staging(staging: Any, what: str = "staging") -> str:
+    if not isinstance(staging, str) or staging not in STAGING_MODES:
+        raise ValueError(f"{what} must be one of {STAGING_MODES}, got {staging!r}")
+    return staging
+
+
 def resolve_commit(commit: bool | None, flush_cache: bool) -> bool:
     """commit=None commits when flush_cache is true: SGLang's trainers send flush_cache=False on
     every bucket of an update but the last, so the buckets stage and the last one commits."""
     return bool(flush_cache) if commit is None else bool(commit)
+
+
+def per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
+    """A per-prompt argument of generate as a list of `count`: one value for all, or a list."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if isinstance(value, list) and len(value) == count and all(
+            v is None or isinstance(v, kind) for v in value):
+        return list(value)
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")
 
 
 def memory_tags(tags: list[str] | None) -> list[str]:
@@ -182,9 +201,12 @@ class EngineClient(ABC):
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
                                         commit: bool | None = None,
-                                        lora_name: str | None = None) -> dict:
+                                        lora_name: str | None = None,
+                                        staging: str | None = None) -> dict:
         """Receives a broadcast of these tensors (load_format "flattened_bucket": one buffer
-        per dtype); with lora_name they are that adapter's PEFT tensors."""
+        per dtype); with lora_name they are that adapter's PEFT tensors. staging (STAGING_MODES;
+        None: the engine's weight_staging) says where base weights land; "none" is refused
+        where it cannot keep all-or-none (tensor parallelism, several servers)."""
 
     @abstractmethod
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:

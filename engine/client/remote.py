@@ -198,8 +198,11 @@ class RemoteEngine(EngineClient):
                                         weight_version: str | None = None,
                                         pause_mode: str = "retract",
                                         commit: bool | None = None,
-                                        lora_name: str | None = None) -> dict:
-        extra = {} if lora_name is None else {"lora_name": lora_name}
+                                        lora_name: str | None = None,
+                                        staging: str | None = None) -> dict:
+        # Unset options stay out of the body: a server older than `staging` still takes it.
+        extra = {k: v for k, v in {"lora_name": lora_name, "staging": staging}.items()
+                 if v is not None}
         return self._post_control(
             "/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
             shapes=[list(s) for s in shapes], group_name=group_name,

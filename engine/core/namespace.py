@@ -13,3 +13,6 @@ class Namespace:
     adapter_name: str | None = None
     adapter_version: int = 0
     cache_salt: str | None = None
+    # Which weights, when a version label is reused for other weights (a trainer that labels
+    # its first push "0", like the checkpoint it loaded): bumped at every weight change.
+    weight_epoch: int = 0

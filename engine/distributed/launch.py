@@ -44,11 +44,15 @@ class Launch:
 
 
 def resolve_launch(config: EngineConfig) -> tuple[EngineConfig, Launch]:
-    """Checks tp_size and launcher, reads torchrun's environment, and offsets the seed."""
+    """Checks tp_size, launcher and what tp_size rules out, reads torchrun's environment, and
+    offsets the seed."""
     if config.launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {config.launcher!r}")
     if not isinstance(config.tp_size, int) or config.tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {config.tp_size!r}")
+    if config.tp_size > 1 and config.weight_staging == "none":
+        raise ValueError("weight_staging='none' is not available with tp_size > 1: every rank "
+                         "receives an update beside its shards so that all or none commit")
     if config.tp_size > 1 and config.launcher == "torchrun":
         raise ValueError(f"tp_size={config.tp_size} with launcher='torchrun' is not available "
                          "in this build: use tp_size=1 per rank, or launcher='spawn'")

@@ -30,7 +30,11 @@ class RowParallel(nn.Module):
 
 
 def make_row_parallel(model: nn.Module, group: AllReducer) -> None:
-    """Wraps every layer's o_proj and down_proj (their inputs are split over the ranks)."""
+    """Wraps every layer's o_proj and down_proj (their inputs are split over the ranks); a
+    sparse MoE block all-reduces the sum of its experts' partial outputs itself."""
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        if hasattr(layer.mlp, "down_proj"):
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        else:
+            layer.mlp.all_reduce = group.all_reduce

@@ -7,10 +7,16 @@ gate/up and the matching rows of down's input, and o_proj's input columns of its
 rows [r*V'/N, (r+1)*V'/N) of the vocabulary padded to V', the next multiple of N (padding rows are
 zeros and their logits are dropped). Norms are replicated. A rank's model is then the ordinary
 model built from `shard_config` (fewer heads, a narrower MLP, V'/N vocabulary rows).
+
+MoE layers split every expert the way the dense MLP is split: rank r holds columns
+[r*I/N, (r+1)*I/N) of each expert's gate and up and the matching inputs of its down, in either
+checkpoint naming (per expert, or transformers 5's stacked [E, 2I, H] / [E, H, I]); the router
+is replicated. Expert parallelism (whole experts per rank) is not implemented.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -18,6 +24,11 @@ import torch
 from hotswap.engine.config import ModelConfig
 
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+# An expert's tensor in either naming (models/moe.py) -> what it holds.
+_EXPERT = re.compile(r"\.experts\.(?:\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+                     r"|(gate_up_proj|down_proj))$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
 
 
 def vocab_rows(vocab_size: int, tp_size: int) -> int:
@@ -33,9 +44,12 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
     if kv % tp_size and tp_size % kv:
         raise ValueError(f"tp_size {tp_size} neither divides the {kv} KV heads nor is a "
                          "multiple of them")
-    if cfg.intermediate_size % tp_size:
+    if cfg.has_dense_layers and cfg.intermediate_size % tp_size:
         raise ValueError(f"tp_size {tp_size} does not divide the MLP intermediate size "
                          f"{cfg.intermediate_size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide the experts' intermediate size "
+                         f"{cfg.moe_intermediate_size}")
 
 
 def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
@@ -44,6 +58,7 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     return replace(cfg, num_heads=cfg.num_heads // tp_size,
                    num_kv_heads=max(1, cfg.num_kv_heads // tp_size),
                    intermediate_size=cfg.intermediate_size // tp_size,
+                   moe_intermediate_size=cfg.moe_intermediate_size // tp_size,
                    vocab_size=vocab_rows(cfg.vocab_size, tp_size))
 
 
@@ -53,6 +68,9 @@ def shard_tensor(name: str, full: torch.Tensor, cfg: ModelConfig, tp_rank: int,
     hd = cfg.head_dim
     if name in VOCAB_PARALLEL:
         return _vocab_slice(full, tp_rank, vocab_rows(cfg.vocab_size, tp_size))
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        return _expert_shard(expert, full, cfg, tp_rank, tp_size)
     part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if part == "q_proj":
         return _rows(full, tp_rank * cfg.num_heads // tp_size * hd, cfg.num_heads // tp_size * hd)
@@ -84,6 +102,9 @@ def unshard(name: str, shards: list[torch.Tensor], cfg: ModelConfig) -> torch.Te
     tp_size = len(shards)
     if name in VOCAB_PARALLEL:
         return torch.cat(shards, dim=0)[:cfg.vocab_size]  # drops the padding rows
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        return _expert_unshard(expert, shards)
     part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if part in ("o_proj", "down_proj"):
         return torch.cat(shards, dim=1)
@@ -95,6 +116,27 @@ def unshard(name: str, shards: list[torch.Tensor], cfg: ModelConfig) -> torch.Te
         step = tp_size // cfg.num_kv_heads  # replicas: one per group of ranks
         return torch.cat(shards[::step], dim=0)
     return shards[0]
+
+
+def _expert_shard(expert: re.Match, full: torch.Tensor, cfg: ModelConfig, tp_rank: int,
+                  tp_size: int) -> torch.Tensor:
+    size = cfg.moe_intermediate_size // tp_size
+    cols = slice(tp_rank * size, (tp_rank + 1) * size)
+    if expert.group(2) == "gate_up_proj":  # [E, 2I, H]: this rank's gate rows, then its up rows
+        up = slice(cfg.moe_intermediate_size + cols.start, cfg.moe_intermediate_size + cols.stop)
+        return torch.cat((full[:, cols], full[:, up]), dim=1)
+    if expert.group(2) == "down_proj":  # [E, H, I]
+        return full[:, :, cols]
+    return full[:, cols] if _EXPERT_PART[expert.group(1)] == "down" else full[cols]
+
+
+def _expert_unshard(expert: re.Match, shards: list[torch.Tensor]) -> torch.Tensor:
+    if expert.group(2) == "gate_up_proj":
+        halves = [s.chunk(2, dim=1) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
+    if expert.group(2) == "down_proj":
+        return torch.cat(shards, dim=2)
+    return torch.cat(shards, dim=1 if _EXPERT_PART[expert.group(1)] == "down" else 0)
 
 
 def _rows(full: torch.Tensor, start: int, size: int) -> torch.Tensor:

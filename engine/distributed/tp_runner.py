@@ -55,10 +55,11 @@ class _TPRank(ModelRunner, RankWeightSync):
         self.group: TPGroup | None = None  # joined by the caller; needed from the first forward
         self._init_weight_sync()
         with torch.device("meta"):  # shapes only: what a full checkpoint must hold
-            full_map = build_model(full, config.context_length or 1).hf_weight_map()
+            full_model = build_model(full, config.context_length or 1)
+        full_map = full_model.hf_weight_map()
         self.full_shapes = {n: tuple(s.view.shape) for n, s in full_map.items()}
-        self.full_required = full_map.keys() - (
-            {"lm_head.weight"} if full.tie_word_embeddings else set())
+        self.full_covers = {n: s.covers for n, s in full_map.items()}  # MoE aliases
+        self.full_required = full_model.required_weight_names()
         ModelRunner.__init__(self, config, shard_config(full, config.tp_size))
         # The model holds a block of the vocabulary; the logits rank 0 returns cover all of it.
         self.model_config = replace(self.model_config, vocab_size=full.vocab_size)
@@ -91,7 +92,7 @@ class _TPRank(ModelRunner, RankWeightSync):
         make_row_parallel(self.model, self)
         make_vocab_parallel(self.model, self.tp_rank, self)
         meta = read_checkpoint_meta(self.config.model_path)
-        check_weights(_Shapes(self.full_shapes), meta, self.full_required)
+        check_weights(_Shapes(self.full_shapes, self.full_covers), meta, self.full_required)
         local = self.model.hf_weight_map()
         with torch.no_grad():
             for name, tensor in iter_checkpoint(self.config.model_path):
@@ -135,7 +136,8 @@ class TPModelRunner(_TPRank, WeightSyncDriver):
         except BaseException:
             self._kill_workers()
             raise
-        self.weight_map = {n: ShardedWeight(self, n, self.full_shapes[n], s.view.dtype)
+        self.weight_map = {n: ShardedWeight(self, n, self.full_shapes[n], s.view.dtype,
+                                            s.covers)
                            for n, s in self.local_map.items()}
         self._wrap_kv_pool()
         self._stop = threading.Event()
@@ -244,8 +246,9 @@ class ShardedWeight:
     device = torch.device("meta")  # never a direct receive destination
 
     def __init__(self, runner: TPModelRunner, name: str, shape: tuple[int, ...],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, covers: tuple[str, ...] = ()):
         self.runner, self.name, self.shape, self.dtype = runner, name, torch.Size(shape), dtype
+        self.covers = covers  # as WeightSlot.covers
 
     @property
     def view(self) -> ShardedWeight:
@@ -330,15 +333,16 @@ def _exit_with_parent(parent: int) -> None:
 
 
 class _Shapes(dict):
-    """check_weights reads `.view.shape` of each entry."""
+    """check_weights reads `.view.shape` and `.covers` of each entry."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
-        super().__init__({n: _Shape(torch.Size(s)) for n, s in shapes.items()})
+    def __init__(self, shapes: dict[str, tuple[int, ...]], covers: dict[str, tuple[str, ...]]):
+        super().__init__({n: _Shape(torch.Size(s), covers[n]) for n, s in shapes.items()})
 
 
 class _Shape:
-    def __init__(self, shape: torch.Size):
+    def __init__(self, shape: torch.Size, covers: tuple[str, ...]):
         self.view = torch.empty(shape, device="meta")
+        self.covers = covers
 
 
 def _backend(config: EngineConfig) -> str:

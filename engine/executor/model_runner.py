@@ -14,6 +14,8 @@ from hotswap.engine.attention import get_backend_class
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from hotswap.engine.layers import quant
+from hotswap.engine.layers.linear import quantize_model
 from hotswap.engine.models import build_model
 from hotswap.engine.models.loader import load_checkpoint
 
@@ -40,6 +42,10 @@ class ModelRunner:
         self._weights_generation = 0
         self._packed_generation = -1
         self.last_pack_s = 0.0  # how long the last rebuild of the packed copies took
+        self.last_quantize_s = 0.0  # of which: the int8 copies (quantization="int8")
+        self.quant_bytes = 0  # what the int8 copies hold
+        if config.quantization is not None:
+            quant.fast_path()  # logs whether int8 runs fast here, and why not
         self._refresh_packs()
 
         page_size = config.page_size
@@ -96,17 +102,31 @@ class ModelRunner:
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Called after any write to the weights: packed copies are stale from now on."""
+        """Called after any write to the weights: packed and int8 copies are stale from now on
+        (and dropped, so a rebuild never holds two sets)."""
         self._weights_generation += 1
         self.model.pack_weights(False)
         self.model.build_fp32_head(False, False)
+        quantize_model(self.model, False)
+
+    def refresh_derived(self) -> None:
+        """Rebuild the packed and int8 copies of the current weights now, where stale: a weight
+        update calls it inside its transaction (paused), so its first step pays nothing and a
+        quantization error fails the update; otherwise the next forward does."""
+        self._refresh_packs()
 
     def _refresh_packs(self) -> None:
         if self._packed_generation == self._weights_generation or self.weights_released:
             return
+        config = self.config
         start = time.perf_counter()
-        self.model.build_fp32_head(self.config.fp32_lm_head, self.config.pack_weights)
-        self.model.pack_weights(self.config.pack_weights)
+        self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head,
+                                   config.pack_weights)
+        quantize_start = time.perf_counter()
+        if config.quantization is not None:  # first: packing skips what has an int8 copy
+            self.quant_bytes = quantize_model(self.model, True, config.quantize_lm_head)
+        self.last_quantize_s = time.perf_counter() - quantize_start
+        self.model.pack_weights(config.pack_weights)
         self._packed_generation = self._weights_generation
         self.last_pack_s = time.perf_counter() - start
 

@@ -1,7 +1,8 @@
 """Fused CPU kernels (csrc/, one source per op family), float32 and bfloat16: paged decode
 attention (attention.cpp), in-place rotary (rope.cpp), RMSNorm (norm.cpp), SiLU-and-multiply
 (activation.cpp), a small-batch matmul over bf16 weights (small_linear.cpp), the float32 lm_head
-of a bf16 model as AMX matmuls of an exact split (head.cpp), sampling (sampling.cpp), and every
+of a bf16 model as AMX matmuls of an exact split (head.cpp), int8 matmuls (quant.cpp), sampling
+(sampling.cpp), and every
 decoder layer of a decode-only step in one call (decode_layer.cpp); bindings.cpp registers them
 as torch.ops.hotswap.*.
 
@@ -133,6 +134,20 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.hotswap.small_linear(x, weight, bias, residual)
 
 
+def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [m, k] rotated by the block Hadamard transform, then int8 [m, k] symmetric per
+    row, and the float32 scales [m] (layers/quant.py)."""
+    return torch.ops.hotswap.quantize_rows(x, block)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None, residual: torch.Tensor | None, block: int
+                ) -> torch.Tensor:
+    """x [m, k] (float32 or bf16) @ the int8 weight [n, k] with its float32 scales [n], x
+    quantized per row as quantize_rows does; (+ bias) (+ residual), in x's dtype."""
+    return torch.ops.hotswap.int8_linear(x, weight, scale, bias, residual, block)
+
+
 def sample_rows(x: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [n] int64 drawn from softmax(x) [n, V] float32 at uniforms u [n] float64 by
     sampling.py's two-level inverse CDF (u None: the first argmax), and each row's
@@ -160,7 +175,8 @@ def head_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 class LayerWeights(NamedTuple):
     """One decoder layer's weights as linear.py's linear() multiplies them on the path of the
-    DecodeLayers that holds them (the packed copy where there is one, except on SMALL)."""
+    DecodeLayers that holds them (the packed copy where there is one, except on SMALL; on INT8
+    the int8 weights, with their scales)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -169,13 +185,17 @@ class LayerWeights(NamedTuple):
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
 
 def decode_stack(layers: Iterable[LayerWeights], eps: float, path: int, num_heads: int
                  ) -> torch.ScriptObject:
     """A model's decoder layers for decode_layers (a torch.classes.hotswap.DecodeLayers): built
     once per set of weights, it holds references to them, so whoever replaces a weight tensor
-    or its packed copy builds a new one. `path` is linear.py's ATEN, ONEDNN or SMALL."""
+    or its packed copy builds a new one. `path` is linear.py's ATEN, ONEDNN, SMALL or INT8."""
     stack = torch.classes.hotswap.DecodeLayers(eps, path, num_heads)
     for layer in layers:
         stack.add_layer(*layer)

@@ -12,9 +12,14 @@ tail of a rollout) takes cpu_kernels.small_linear instead, a matrix-vector kerne
 plain bf16 weights that asks for them ahead of use and so streams them faster than oneDNN. Its
 float32 sums run in another order than oneDNN's, so a bf16 row's last bits differ between a
 step of up to SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
+
+With quantization="int8" a Linear also holds an int8 copy of its weight (quant.py), rebuilt by
+the ModelRunner like the packs; every step then takes quant.int8_linear, whatever its rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,7 @@ from torch import nn
 
 from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.quant import QuantWeight, int8_linear, quantize_weight
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it.
 PACK_ROWS_HINT = 64
@@ -65,17 +71,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 # How linear() multiplies (cpu_kernels.decode_layers takes the same codes).
-ATEN, ONEDNN, SMALL = 0, 1, 2
+ATEN, ONEDNN, SMALL, INT8 = 0, 1, 2, 3
 # bf16 rows that take cpu_kernels.small_linear: where it beat oneDNN (docs/performance.md). With
 # AVX512-BF16 the kernel multiplies bf16 pairs as they are and also wins at 5 and 6 rows.
 SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> int:
-    """SMALL for a bf16 x of at most SMALL_ROWS rows, a plain bf16 weight (bias, residual
-    bf16 too) on CPU with the kernels built, else ONEDNN where oneDNN runs x's dtype, else
-    ATEN."""
+                residual: torch.Tensor | None = None, quant: QuantWeight | None = None) -> int:
+    """INT8 where the weight has an int8 copy; SMALL for a bf16 x of at most SMALL_ROWS rows, a
+    plain bf16 weight (bias, residual bf16 too) on CPU with the kernels built, else ONEDNN where
+    oneDNN runs x's dtype, else ATEN."""
+    if quant is not None:
+        return INT8
     if (x.dim() == 2 and len(x) <= SMALL_ROWS and x.dtype == weight.dtype == torch.bfloat16
             and weight.layout == torch.strided and weight.is_contiguous()
             and all(t is None or t.dtype == x.dtype for t in (bias, residual))
@@ -85,18 +93,20 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, residual: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x @ weight.T + bias (+ residual); `packed`, when given, must be pack(weight) of the
-    current weight. On SMALL the residual joins the kernel's float32 sums (one rounding in
-    bf16); elsewhere it is added to the matmul's output (in bf16 rounded twice, as HF's
-    bf16 does): oneDNN's add post-op costs more than the separate add, at any size
-    (docs/performance.md)."""
+           packed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+           quant: QuantWeight | None = None) -> torch.Tensor:
+    """x @ weight.T + bias (+ residual); `packed` / `quant`, when given, must be pack(weight) /
+    quant.quantize_weight(weight) of the current weight. On SMALL and INT8 the residual joins
+    the kernel's float32 sums (one rounding in bf16); elsewhere it is added to the matmul's
+    output (in bf16 rounded twice, as HF's bf16 does): oneDNN's add post-op costs more than
+    the separate add, at any size (docs/performance.md)."""
     # Above SMALL_ROWS, every row count takes the same path, so a row's result does not depend
     # on how many rows share its step. (MKL's float32 matrix-vector kernel at 1-2 rows and
     # SiLU/product as oneDNN post-ops at 64 rows are faster, but both give results that differ
     # in the last bits with the row count.)
-    path = matmul_path(x, weight, bias, residual)
+    path = matmul_path(x, weight, bias, residual, quant)
+    if path == INT8:
+        return int8_linear(x, quant, bias, residual)
     if path == SMALL:
         return cpu_kernels.small_linear(x, weight, bias, residual)
     if path == ONEDNN:
@@ -109,6 +119,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # pack(self.weight), kept current by the ModelRunner
+    quant: QuantWeight | None = None  # its int8 copy (quantization="int8"), kept current too
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, residual)
+        return linear(x, self.weight, self.bias, self.packed, residual, self.quant)
+
+    def fused_weights(self, path: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what cpu_kernels.decode_layers multiplies on `path`, the int8 copy's scales)."""
+        if path == INT8:
+            return self.quant.weight, self.quant.scale
+        return (self.weight if self.packed is None or path == SMALL else self.packed), None
+
+
+def quantized_linears(model: nn.Module) -> Iterable[nn.Module]:
+    """Every layers/linear.py Linear of the model but its lm_head. MoE experts and routers are
+    not Linear modules, so they stay in the model's dtype."""
+    head = getattr(model, "lm_head", None)
+    return (m for m in model.modules() if isinstance(m, Linear) and m is not head)
+
+
+def quantize_model(model: nn.Module, enable: bool, head: bool = False) -> int:
+    """Rebuild (or drop) the int8 copy of every linear weight (and of the lm_head with `head`);
+    a quantized Linear's packed copy is dropped, as it is never multiplied. Returns the bytes the
+    int8 copies hold."""
+    total = 0
+    for module in quantized_linears(model):
+        module.quant = quantize_weight(module.weight) if enable else None
+        if enable:
+            module.packed = None
+            total += module.quant.nbytes
+    quant_head = quantize_weight(model.lm_head_weight) if enable and head else None
+    model.lm_head_quant = quant_head
+    if quant_head is not None:
+        model.lm_head_packed = None
+        total += quant_head.nbytes
+    return total

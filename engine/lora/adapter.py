@@ -22,12 +22,24 @@ import torch
 from hotswap.engine.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_TARGETS = TARGETS[:4]
 _NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?"
                    r"\.weight$")
 # Config keys that change what the adapter computes in ways this engine does not implement.
 _REFUSED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out",
             "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
             "alpha_pattern": "alpha_pattern", "layer_replication": "layer_replication"}
+
+
+def check_model_targets(config: LoRAConfig, model: ModelConfig) -> None:
+    """A mixture-of-experts model takes adapters on its attention only: LoRA on the experts
+    (and on its dense MLP layers, if any) is not implemented."""
+    mlp = [t for t in config.targets if t not in ATTENTION_TARGETS]
+    if model.num_experts and mlp:
+        raise ValueError(f"adapter config 'target_modules' {list(config.targets)}: LoRA on the "
+                         f"MLP/expert weights ({', '.join(mlp)}) of the mixture-of-experts "
+                         f"model {model.architecture} is not supported; target the attention "
+                         f"only ({', '.join(ATTENTION_TARGETS)})")
 
 
 def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -118,6 +130,7 @@ def parse_name(name: str) -> tuple[int, str, str]:
 def check_tensor_meta(name: str, shape: tuple[int, ...], config: LoRAConfig,
                       model: ModelConfig) -> tuple[int, str, str]:
     """Validate one tensor's name and shape against the config and the model."""
+    check_model_targets(config, model)
     layer, target, which = parse_name(name)
     if not 0 <= layer < model.num_layers:
         raise ValueError(f"adapter tensor {name!r}: layer {layer} is out of range "
@@ -140,6 +153,7 @@ def build_adapter(name: str, tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
     if not isinstance(name, str) or not name:
         raise ValueError("lora_name must be a non-empty string")
     config = LoRAConfig.from_dict(config_dict, max_rank)
+    check_model_targets(config, model)
     items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tname, t in items:

@@ -12,6 +12,8 @@ _REGISTRY = {
     "LlamaForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "hotswap.engine.models.moe:MoeForCausalLM",
+    "MixtralForCausalLM": "hotswap.engine.models.moe:MoeForCausalLM",
 }
 
 

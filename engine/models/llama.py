@@ -16,8 +16,9 @@ from hotswap.engine.attention.base import FusedDecodeInputs
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
-from hotswap.engine.layers.linear import SMALL, SMALL_ROWS, Linear, linear, matmul_path, pack
+from hotswap.engine.layers.linear import SMALL_ROWS, Linear, linear, matmul_path, pack
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
+from hotswap.engine.layers.quant import QuantWeight
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
@@ -28,15 +29,35 @@ SMALL_HEAD_ROWS = 2
 
 
 class WeightSlot(NamedTuple):
-    """Rows [start, end) of `param` hold one HF tensor."""
+    """Rows [start, end) of `param` (of `param[expert]` for one expert of a stacked MoE
+    parameter) hold one HF tensor. An alias (`covers` not empty) is another checkpoint naming of
+    the storage that the names in `covers` hold: it may replace them in a checkpoint or update,
+    and it is never required itself."""
 
     param: torch.Tensor
     start: int
     end: int
+    expert: int | None = None
+    covers: tuple[str, ...] = ()
 
     @property
     def view(self) -> torch.Tensor:
-        return self.param.data[self.start: self.end]
+        data = self.param.data if self.expert is None else self.param.data[self.expert]
+        return data[self.start: self.end]
+
+
+def whole(param: torch.Tensor) -> WeightSlot:
+    return WeightSlot(param, 0, param.shape[0])
+
+
+def split(prefix: str, param: torch.Tensor, parts: list[tuple[str, int]], kind: str
+          ) -> dict[str, WeightSlot]:
+    """`{prefix}.{part}.{kind}` -> consecutive row blocks of param, one per (part, size)."""
+    out, start = {}, 0
+    for part, size in parts:
+        out[f"{prefix}.{part}.{kind}"] = WeightSlot(param, start, start + size)
+        start += size
+    return out
 
 
 class Fp32Head(NamedTuple):
@@ -113,12 +134,18 @@ class LlamaMLP(nn.Module):
         out = _project(self.down_proj, h, residual)
         return out if lora is None else lora.apply(self.layer_id, "down", h, out)
 
+    def hf_weights(self, layer_prefix: str) -> dict[str, WeightSlot]:
+        """This MLP's HF names (under `model.layers.{i}`) and where they land."""
+        gate_up = [("gate_proj", self.intermediate), ("up_proj", self.intermediate)]
+        return {**split(f"{layer_prefix}.mlp", self.gate_up_proj.weight, gate_up, "weight"),
+                f"{layer_prefix}.mlp.down_proj.weight": whole(self.down_proj.weight)}
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg, layer_id) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -134,12 +161,17 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.make_mlp(cfg, i))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # _forward_fused's layers by (at most SMALL_ROWS rows, dtype), built on first use: they
         # hold the weights and packed copies, so LlamaForCausalLM.pack_weights (called whenever
         # the weights change) clears them.
         self.fused_layers: dict[tuple[bool, torch.dtype], torch.ScriptObject] = {}
+
+    def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
+        """Layer layer_id's MLP (a subclass's hook: MoE models put experts here)."""
+        return LlamaMLP(cfg, layer_id)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
@@ -167,17 +199,20 @@ class LlamaModel(nn.Module):
         """Every layer's weights for steps like x, as linear() multiplies them on the path it
         takes for such steps."""
         attn = self.layers[0].self_attn
-        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x)  # x: the residual
+        path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x,  # x: the residual
+                           attn.qkv_proj.quant)
 
         def weight(proj: Linear) -> torch.Tensor:
-            return proj.weight if proj.packed is None or path == SMALL else proj.packed
+            return proj.fused_weights(path)[0]
 
         def layer_weights(layer: LlamaDecoderLayer) -> cpu_kernels.LayerWeights:
             attn, mlp = layer.self_attn, layer.mlp
+            projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             return cpu_kernels.LayerWeights(
                 layer.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
                 weight(attn.o_proj), layer.post_attention_layernorm.weight,
-                weight(mlp.gate_up_proj), weight(mlp.down_proj))
+                weight(mlp.gate_up_proj), weight(mlp.down_proj),
+                *(proj.fused_weights(path)[1] for proj in projs))  # int8 scales
 
         return cpu_kernels.decode_stack(map(layer_weights, self.layers), self.cfg.rms_norm_eps,
                                         path, self.cfg.num_heads)
@@ -196,13 +231,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions)
+        self.model = self.model_class(cfg, max_positions)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_quant: QuantWeight | None = None  # int8 lm_head (layers/quant.py)
         self.fp32_head: Fp32Head | None = None
 
     @property
@@ -216,6 +254,9 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(self.model(fb)[fb.logits_indices])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_quant is not None:  # float32 norm, int8 matmul, float32 logits
+            x = rms_norm(hidden.float(), self.model.norm.weight.float(), self.cfg.rms_norm_eps)
+            return linear(x, self.lm_head_weight, quant=self.lm_head_quant)
         head = self.fp32_head
         if head is None:
             return linear(self.model.norm(hidden), self.lm_head_weight,
@@ -256,51 +297,40 @@ class LlamaForCausalLM(nn.Module):
         self.model.fused_layers.clear()
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
-                module.packed = pack(module.weight) if enable else None
+                # An int8 copy (layers/quant.py, built first) is multiplied instead.
+                module.packed = pack(module.weight) if enable and module.quant is None else None
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
         self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
-                               else None)
+                               and self.lm_head_quant is None else None)
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Every HF checkpoint name this model takes, mapped to where it lands."""
         cfg = self.cfg
-        out: dict[str, WeightSlot] = {}
-
-        def whole(name: str, param: torch.Tensor) -> None:
-            out[name] = WeightSlot(param, 0, param.shape[0])
-
-        def split(prefix: str, param: torch.Tensor, parts: list[tuple[str, int]], kind: str
-                  ) -> None:
-            start = 0
-            for part, size in parts:
-                out[f"{prefix}.{part}.{kind}"] = WeightSlot(param, start, start + size)
-                start += size
-
         # HF's module order (a trainer's named_parameters order): see ModelRunner's flat layout.
-        whole("model.embed_tokens.weight", self.model.embed_tokens.weight)
+        out = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight)}
         qkv = [("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)]
-        gate_up = [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)]
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
             attn = layer.self_attn
-            split(f"{p}.self_attn", attn.qkv_proj.weight, qkv, "weight")
+            out.update(split(f"{p}.self_attn", attn.qkv_proj.weight, qkv, "weight"))
             if cfg.qkv_bias:
-                split(f"{p}.self_attn", attn.qkv_proj.bias, qkv, "bias")
-            whole(f"{p}.self_attn.o_proj.weight", attn.o_proj.weight)
+                out.update(split(f"{p}.self_attn", attn.qkv_proj.bias, qkv, "bias"))
+            out[f"{p}.self_attn.o_proj.weight"] = whole(attn.o_proj.weight)
             if cfg.qk_norm:
-                whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
-                whole(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
-            split(f"{p}.mlp", layer.mlp.gate_up_proj.weight, gate_up, "weight")
-            whole(f"{p}.mlp.down_proj.weight", layer.mlp.down_proj.weight)
-            whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
-            whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-        whole("model.norm.weight", self.model.norm.weight)
-        whole("lm_head.weight", self.lm_head_weight)
+                out[f"{p}.self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
+                out[f"{p}.self_attn.k_norm.weight"] = whole(attn.k_norm.weight)
+            out.update(layer.mlp.hf_weights(p))
+            out[f"{p}.input_layernorm.weight"] = whole(layer.input_layernorm.weight)
+            out[f"{p}.post_attention_layernorm.weight"] = whole(
+                layer.post_attention_layernorm.weight)
+        out["model.norm.weight"] = whole(self.model.norm.weight)
+        out["lm_head.weight"] = whole(self.lm_head_weight)
         return out
 
     def required_weight_names(self) -> set[str]:
-        """Names a full checkpoint must provide (a tied lm_head may be omitted)."""
-        names = set(self.hf_weight_map())
+        """Names a full checkpoint must provide: no aliases (their storage has other names),
+        and a tied lm_head may be omitted."""
+        names = {n for n, slot in self.hf_weight_map().items() if not slot.covers}
         if self.cfg.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names

@@ -120,13 +120,22 @@ def check_weights(weight_map: Mapping[str, WeightSlot],
         elif dtype not in FLOAT_DTYPES:
             problems.append(f"tensor '{name}' has dtype {dtype}, expected a floating dtype "
                             f"({', '.join(str(d) for d in FLOAT_DTYPES)})")
-    missing = sorted(set(required) - set(meta))
+    missing = sorted(set(required) - covered_names(weight_map, meta))
     if missing:
         shown = ", ".join(f"'{n}'" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         problems.append(f"missing tensor(s) {shown}{more}")
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def covered_names(weight_map: Mapping[str, WeightSlot], names: Iterable[str]) -> set[str]:
+    """The names whose storage `names` write: each name itself, an alias what it covers (an MoE
+    model's stacked experts, models/moe.py)."""
+    out: set[str] = set()
+    for name in names:
+        out.update(getattr(weight_map.get(name), "covers", ()) or (name,))
+    return out
 
 
 def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:

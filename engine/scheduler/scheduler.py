@@ -44,11 +44,13 @@ T = TypeVar("T")
 
 class Scheduler(SchedulerControl):
     def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
-                 weight_version: Callable[[], str], lora: LoRAManager | None = None):
+                 weight_version: Callable[[], str], lora: LoRAManager | None = None,
+                 weight_epoch: Callable[[], int] = lambda: 0):
         self.config = config
         self.runner = runner
         self.outputs = outputs
         self.weight_version = weight_version
+        self.weight_epoch = weight_epoch
         self.tree = make_radix_cache(config, runner.allocator, runner.kv_pool,
                                      runner.model.parameters, weight_version)
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
@@ -105,7 +107,7 @@ class Scheduler(SchedulerControl):
 
     def namespace(self, req: Req) -> Namespace:
         return Namespace(self.weight_version(), req.lora_name, self.lora.version(req.lora_name),
-                         req.cache_salt)
+                         req.cache_salt, self.weight_epoch())
 
     def is_live(self, req: Req) -> bool:
         """Whether `req`'s KV was computed by the current weights and adapter version."""

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from hotswap.engine.client.protocol import STAGING_MODES
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.server.control_api import control, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
@@ -267,6 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep a host copy of the weights across release_memory_occupation")
     e.add_argument("--no-check-weights-finite", action="store_true",
                    help="skip the NaN/inf check of weight updates (saves one pass over the data)")
+    e.add_argument("--weight-staging", default="standby", choices=STAGING_MODES,
+                   help="where a distributed update lands unless the call says: standby (one "
+                        "extra copy of the weights; a bad tensor is refused before any write) "
+                        "or none (in place; a bad tensor stops generation until a complete "
+                        "update)")
+    e.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: linear layers as int8 weights x int8 activations (CPU); the "
+                        "trainer keeps sending full-precision weights, re-quantized per update")
+    e.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization int8: the lm_head too (faster, larger logprob error)")
     add_hicache_args(p)
     return p
 
@@ -302,10 +313,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 pack_weights=not args.no_pack_weights,
                 enable_weights_cpu_backup=args.enable_weights_cpu_backup,
                 check_weights_finite=not args.no_check_weights_finite,
+                weight_staging=args.weight_staging,
                 enable_hierarchical_cache=args.enable_hierarchical_cache,
                 hicache_ratio=args.hicache_ratio, hicache_host_tokens=args.hicache_host_tokens,
                 hicache_storage_dir=args.hicache_storage_dir,
-                hicache_write_policy=args.hicache_write_policy)
+                hicache_write_policy=args.hicache_write_policy,
+                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:

@@ -18,9 +18,10 @@ from pydantic import (
     model_validator,
 )
 
-from hotswap.engine.client.protocol import MAX_N, PAUSE_MODES
+from hotswap.engine.client.protocol import MAX_N, PAUSE_MODES, STAGING_MODES
 
 PauseMode = Literal[PAUSE_MODES]  # the engine's rules, so the OpenAPI schema shows them
+Staging = Literal[STAGING_MODES]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
 
@@ -198,6 +199,7 @@ class UpdateFromDistributedRequest(Body):
     # bucket but the last; a staged update commits at flush_cache or continue_generation.
     commit: bool | None = None
     lora_name: str | None = None  # the names are this LoRA adapter's (PEFT names)
+    staging: Staging | None = None  # None: the server's --weight-staging
 
 
 class GroupRequest(Body):

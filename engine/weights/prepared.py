@@ -6,7 +6,8 @@ whole update into a staging copy while the engine keeps serving the old weights;
 every engine has prepared does the coordinator send `commit` (a normal update transaction from
 the staged tensors), otherwise `abort` everywhere. The cost is one extra copy of the update in
 memory between the two phases: from a process group, the standby buffer (standby.py), checked
-for NaN and inf as it lands, so the commit is a swap; from disk, the tensors read.
+for NaN and inf as it lands, so the commit is a swap; from disk, the tensors read; from tensors
+(a Ray fleet's object store), a reference to them.
 
 This is not the "staged update" that gathers several update calls into one version; it holds
 exactly one prepared update, and a new prepare replaces an older one that was never committed.
@@ -15,7 +16,7 @@ exactly one prepared update, and a new prepare replaces an older one that was ne
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,18 @@ class PreparedUpdate:
         # Into the standby, each tensor checked as it lands: the commit is a swap.
         landed = self.weights.receive(group, names, dtypes, shapes, load_format)
         return self._stage(landed, f"{len(names)} tensor(s) from group {group_name!r}")
+
+    def from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping) -> dict:
+        """(HF name, tensor) pairs, a subset of the weights, validated and checked now (a
+        coordinator that has the tensors in hand, e.g. from Ray's object store)."""
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
+                     else named_tensors)
+        if any(not isinstance(t, torch.Tensor) for _, t in items):
+            raise ValueError("named_tensors must hold torch.Tensor values")
+        self.weights.validate_update([n for n, _ in items], [t.dtype for _, t in items],
+                                     [t.shape for _, t in items])
+        self.weights.check_values(items)
+        return self._stage(items, f"{len(items)} tensor(s)")
 
     def from_disk(self, model_path: str) -> dict:
         self.weights.validate(read_checkpoint_meta(model_path), complete=True)

@@ -25,14 +25,6 @@ from hotswap.weight_sync.bucket import str_to_dtype
 from hotswap.weight_sync.group import WeightGroup
 from hotswap.weight_sync.receiver import receive_tensors
 
-STAGING_MODES = ("standby", "none")
-
-
-def check_staging(staging: str) -> str:
-    if staging not in STAGING_MODES:
-        raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
-    return staging
-
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:

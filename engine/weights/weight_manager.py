@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hotswap.engine.client.protocol import check_pause_mode
+from hotswap.engine.client.protocol import check_pause_mode, check_staging
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.models.loader import (
     check_finite,
     check_weights,
+    covered_names,
     is_ignored,
     iter_checkpoint,
     read_checkpoint_meta,
@@ -33,7 +34,6 @@ from hotswap.engine.models.loader import (
 from hotswap.engine.weights.receive import (
     Landed,
     Stages,
-    check_staging,
     one_thread,
     receive_in_place,
     receive_to_standby,
@@ -53,6 +53,7 @@ class WeightManager:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.version = "0"
+        self.epoch = 0  # weight changes served so far (the cache namespaces' weight_epoch)
         self.incomplete: str | None = None  # why the weights are partly overwritten
         self._damaged: set[str] = set()  # names a failed update may have half-written
         self.last_update_s: float | None = None
@@ -62,7 +63,7 @@ class WeightManager:
         self.stage: Stage | None = None  # an open staged update (scheduler thread)
         self.keep_host_copy = bool(getattr(runner.config, "enable_weights_cpu_backup", False))
         self._host_copy: dict[str, torch.Tensor] | None = None
-        check_staging(runner.config.weight_staging)
+        check_staging(runner.config.weight_staging, "weight_staging")
         self.standby = Standby(runner)  # its buffer is allocated on first use
         self.last_stages: dict[str, float] = {}  # seconds per stage of the last update
 
@@ -85,7 +86,7 @@ class WeightManager:
         if self.runner.weights_released:
             return
         if self.keep_host_copy and self.incomplete is None:
-            self._host_copy = self._copy_to_host()
+            self._host_copy = self.host_copy()
         self.runner.release_weights()
         self.standby.free()
         self._damaged = self.runner.model.required_weight_names()
@@ -187,22 +188,28 @@ class WeightManager:
                                 weight_version: str | None, pause_mode: str,
                                 load_format: str | None, commit: bool = True,
                                 staging: str | None = None) -> dict:
-        """staging "standby" (default): received and checked beside the live weights, then
-        swapped in; "none": received in place (see receive.py)."""
+        """staging "standby": received and checked beside the live weights, then swapped in;
+        "none": received in place (see receive.py); None: the engine's weight_staging. Tensor
+        parallel ranks always receive beside their shards (all-or-none), so they refuse "none"."""
         stages = Stages()
         group = self.group(group_name)
-        staging = staging or self.runner.config.weight_staging
+        tensor_parallel = hasattr(self.runner, "receive_update")
 
         def check_arguments() -> None:
             self._prepare(weight_version, pause_mode)
-            check_staging(staging)
+            if staging is not None:
+                check_staging(staging)
+            if staging == "none" and tensor_parallel:
+                raise ValueError("staging='none' is not available with tensor parallelism: "
+                                 "every rank receives beside its shards so that all or none "
+                                 "commit; use 'standby' or None")
 
         self.check_broadcast(group, names, dtypes, shapes, load_format, check_arguments)
         stages.lap("validate")
-        if hasattr(self.runner, "receive_update"):  # tensor parallel: every rank receives
+        if tensor_parallel:  # every rank receives
             self.receive_on_ranks(names, dtypes, shapes, group_name, load_format)
             return self.commit_received(list(names), weight_version, pause_mode, commit)
-        if staging == "standby":
+        if (staging or self.runner.config.weight_staging) == "standby":
             try:
                 landed = self.receive(group, names, dtypes, shapes, load_format, stages)
             except ws_group.WeightSyncError as err:
@@ -308,7 +315,10 @@ class WeightManager:
 
     def _commit(self, apply: Callable[[], None], names: list[str], requested: str | None,
                 pause_mode: str, commit: bool = True, stages: Stages | None = None) -> dict:
-        names = [n for n in names if not is_ignored(n)]  # never written, so never damaged
+        # The names whose storage this writes (an alias: the names it covers, e.g. an MoE
+        # model's stacked experts); ignored buffers are never written, so never damaged.
+        names = sorted(covered_names(self.runner.weight_map,
+                                     (n for n in names if not is_ignored(n))))
         stages = stages or Stages()
         try:
             return self.scheduler.run(
@@ -331,19 +341,19 @@ class WeightManager:
         try:
             apply()
             stages.lap("install")
+            self.runner.weights_changed()
+            self._quantize(stages)
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
+            self.runner.weights_changed()  # whatever was written, derived copies are stale
             self._damaged |= set(names)
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
             sched.abort_all(self.incomplete)
             return {"success": False, "message": self.incomplete, "weight_version": self.version}
-        finally:
-            self.runner.weights_changed()  # whatever was written, derived copies are stale
-        self.version = version
+        self._serve_new_weights(version)
         # Serving resumes only once every tensor a failed update touched has been rewritten.
         self._damaged -= set(names)
         if not self._damaged:
             self.incomplete = None
-        sched.retire_namespaces(lambda ns: ns.weight_version != version)
         self.last_update_s = time.perf_counter() - start
         stages.lap("commit")
         message = f"updated to version {version!r}"
@@ -351,6 +361,15 @@ class WeightManager:
             message += (f"; still incomplete: {len(self._damaged)} tensor(s) from the failed "
                         "update were not rewritten")
         return {"success": True, "message": message, "weight_version": version}
+
+    def _quantize(self, stages: Stages | None = None) -> None:
+        """quantization="int8": the int8 copies of the new weights, before the version bumps
+        and generation resumes (a failure fails the update). Other engines rebuild their
+        packed copies at the next forward, as before."""
+        if self.runner.config.quantization is not None:
+            self.runner.refresh_derived()
+            if stages is not None:
+                stages.lap("quantize")
 
     # staged updates (scheduler thread; see staging.py)
 
@@ -381,12 +400,16 @@ class WeightManager:
                     "message": "no staged weight update to commit"}
         version = self._next_version(self._prepare(weight_version or stage.weight_version,
                                                    stage.pause_mode))
+        try:
+            self._quantize()
+        except Exception as exc:  # noqa: BLE001 - the pieces are written: refuse to serve
+            self.runner.weights_changed()
+            return self.abort_stage(f"quantizing the staged weights failed: {exc}")
         self.stage = None
-        self.version = version
+        self._serve_new_weights(version)
         self._damaged -= stage.written
         if not self._damaged:
             self.incomplete = None
-        self.scheduler.retire_namespaces(lambda ns: ns.weight_version != version)
         if not stage.was_paused:
             self.scheduler.resume()
         return {"success": True, "weight_version": version,
@@ -408,6 +431,14 @@ class WeightManager:
         return {"success": False, "weight_version": self.version,
                 "message": self.incomplete or why}
 
+    def _serve_new_weights(self, version: str) -> None:
+        """New weights serve as `version`: every cached prefix was computed with the old ones
+        and retires, even under the same label (invariant 1)."""
+        self.version = version
+        self.epoch += 1
+        epoch = self.epoch
+        self.scheduler.retire_namespaces(lambda ns: ns.weight_epoch != epoch)
+
     def relabel(self, new_version: str, abort_all: bool) -> dict:
         """Scheduler thread: a new label for the same weights; old namespaces retire."""
         if self.stage is not None:
@@ -420,9 +451,11 @@ class WeightManager:
 
     # host copy across release_memory_occupation (enable_weights_cpu_backup)
 
-    def _copy_to_host(self) -> dict[str, torch.Tensor]:
+    def host_copy(self) -> dict[str, torch.Tensor]:
+        """Every weight under its HF name, once (aliases of other names left out)."""
         return {name: slot.view.detach().to("cpu", copy=True)
-                for name, slot in self.runner.weight_map.items()}
+                for name, slot in self.runner.weight_map.items()
+                if not getattr(slot, "covers", None)}
 
     def _restore_host_copy(self) -> None:
         copy, self._host_copy = self._host_copy, None

@@ -124,7 +124,7 @@ def test_update_refused_by_one_server_leaves_both_on_the_old_version(cluster):
                          headers=AUTH, timeout=60)
     assert refused.status_code == 400
     message = refused.json()["error"]["message"]
-    assert urls[1] in message and "no server committed" in message and urls[0] not in message
+    assert urls[1] in message and "no member committed" in message and urls[0] not in message
     for url, want in zip(urls, before):
         assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "0"
         assert _generate(url, probe)[1]["output_ids"] == want  # x prepared it, then aborted

@@ -78,12 +78,29 @@ def test_three_grpo_steps_push_live_weights_and_write_wandb_offline(model_path, 
     assert glob.glob(os.path.join(out["run_dir"], "files", "media", "table", "samples_*.json"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_int8_rollouts_with_importance_sampling(model_path, tmp_path, mode):
+    """An int8 engine's logprobs differ from the float32 trainer's; --tis weights the loss and
+    the share of truncated tokens is logged."""
+    args = parse_args(["--model-path", model_path, "--steps", "2", "--prompts", "2",
+                       "--group-size", "4", "--over-sample", "0", "--max-new-tokens", "6",
+                       "--lr", "1e-3", "--wandb-dir", str(tmp_path), "--quiet",
+                       "--quantization", "int8", "--tis", "2", "--tis-mode", mode])
+    history = run(args, reward=varied_reward)["history"]
+    assert [h["weight_version"] for h in history] == [0, 1]
+    for h in history:
+        assert h["mismatch/abs_diff"] > 1e-4  # int8 rollouts: a real mismatch, measured
+        assert 0.0 <= h["mismatch/tis_truncated"] <= 1.0
+        assert h["train/grad_norm"] > 0
+
+
 def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = capsys.readouterr().out
     for option in ("--steps", "--transport", "--async", "--max-staleness", "--wandb-dir",
-                   "--group-size", "--lr", "--filter"):
+                   "--group-size", "--lr", "--filter", "--quantization", "--tis"):
         assert option in text
 
 
@@ -101,3 +118,21 @@ def test_async_mode(model_path, tmp_path, mode):
     for h in history:
         assert h["time/weight_sync_s"] > 0 and h["batch/trajectories"] == 4
         assert h["staleness/version_lag_max"] <= args.max_staleness
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tensor", "gloo"])
+def test_the_job_on_a_ray_fleet_of_two_replicas(model_path, tmp_path, transport):
+    pytest.importorskip("ray")
+    args = parse_args(["--model-path", model_path, "--steps", "2", "--prompts", "4",
+                       "--group-size", "2", "--over-sample", "0", "--max-new-tokens", "4",
+                       "--lr", "1e-3", "--wandb-dir", str(tmp_path), "--quiet",
+                       "--fleet", "ray", "--replicas", "2", "--transport", transport])
+    history = run(args, reward=varied_reward)["history"]
+    assert [h["weight_version"] for h in history] == [0, 1]
+    for step, h in enumerate(history):
+        # both replicas serve the trainer's weights exactly, at the step's version
+        assert h["mismatch/abs_diff"] < 1e-4
+        cells = h["fleet/replicas"].split(" | ")
+        assert len(cells) == 2 and all(f" v{step + 1} s" in c for c in cells), cells
+    assert sum(h["replica/0/requests"] + h["replica/1/requests"] for h in history) == 16

@@ -1,12 +1,11 @@
-"""Contract tests: verl's, slime's and OpenRLHF's call sequences replayed against hotswap running
-in other processes, with the argument names as written in their source, over gloo.
+"""Contract tests: slime's and verl's (its SGLang rollout, over HTTP) call sequences replayed
+against hotswap running in another process, with the argument names as written in their source,
+over gloo. (verl 0.9's rollout registration: test_verl.py; OpenRLHF: test_openrlhf_actor.py.)
 
 - slime 624b824 (backends/sglang_utils/sglang_engine.py, megatron_utils/update_weight/
   update_weight_from_distributed.py, rollout/sglang_rollout.py): HTTP server.
 - verl b178a3c (workers/rollout/sglang_rollout/{sglang_rollout,http_server_engine}.py,
   workers/fsdp_workers.py): HTTP server.
-- OpenRLHF 3c3be62 (trainer/ray/ppo_actor.py, trainer/ray/vllm_engine.py): the rollout actor in
-  its own process (as Ray would start it), called through an RPC.
 
 What each side sees is checked against a reference: HF transformers' greedy tokens under the
 weights the trainer pushed.
@@ -14,7 +13,6 @@ weights the trainer pushed.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -25,15 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from fixtures import TESTS_DIR, write_tiny_chat_model
+from fixtures import write_tiny_chat_model
 
 from hotswap.trainers_adapters.groups import (
     destroy_process_group,
     init_custom_process_group,
-    stateless_init_process_group,
 )
 from hotswap.weight_sync.group import free_port
-from hotswap.weight_sync.rpc import EngineProxy
 from hotswap.weight_sync.serialize import serialize_named_tensors
 
 pytestmark = pytest.mark.slow
@@ -203,51 +199,3 @@ def test_verl_server_adapter_sequence(server, hf_model):
     log_probs, token_ids = zip(*[(lp, t) for lp, t, _ in
                                  output["meta_info"]["output_token_logprobs"]], strict=True)
     assert list(token_ids) == output["output_ids"] and all(lp <= 0 for lp in log_probs)
-
-
-@pytest.fixture(scope="module")
-def actor(model_path):
-    proc = subprocess.Popen([sys.executable, "contract_actor.py", model_path], cwd=TESTS_DIR,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    info = json.loads(proc.stdout.readline())
-    yield EngineProxy(tuple(info["address"]), bytes.fromhex(info["authkey"]), timeout_s=120)
-    proc.stdin.close()
-    proc.wait(timeout=30)
-
-
-def test_openrlhf_per_tensor_sequence(actor, hf_model):
-    master_port, world_size = free_port(), 2
-    # _init_vllm_engines_actor_group: engine.init_process_group.remote(...) and the trainer's
-    # stateless group at once.
-    with ThreadPoolExecutor(2) as pool:
-        ref = pool.submit(actor.call, "init_process_group", master_address="127.0.0.1",
-                          master_port=master_port, rank_offset=1, world_size=world_size,
-                          group_name="openrlhf", backend="gloo", use_ray=False)
-        model_update_group = stateless_init_process_group("127.0.0.1", master_port, 0,
-                                                          world_size, "cpu")
-        ref.result()
-        assert actor.call("get_weight_version") == "0"
-
-        # broadcast_to_vllm: reset_prefix_cache first (prefix caching on), then one tensor per
-        # call with empty_cache on the last.
-        actor.call("reset_prefix_cache")
-        weights = trained(hf_model, seed=3)
-        num_params = len(weights)
-        held = None
-        for count, (name, param) in enumerate(weights.items(), start=1):
-            shape = param.shape
-            ref = pool.submit(actor.call, "update_weight", name=name, dtype=param.dtype,
-                              shape=shape, empty_cache=count == num_params)
-            model_update_group.broadcast(param.data, src=0, stream=None)
-            ref.result()
-            if count == 1:
-                held = pool.submit(actor.call, "generate_ids", prompt_token_ids=PROMPT_IDS,
-                                   max_tokens=NEW_TOKENS)
-            if count < num_params:
-                assert actor.call("get_weight_version") == "0"
-        assert actor.call("get_weight_version") == "1"  # num_params calls, one version
-        got = held.result(timeout=120)
-        assert got["version"] == "1"
-        assert got["token_ids"] == hf_greedy(hf_model, weights, PROMPT_IDS)
-        assert all(lp <= 0 for lp in got["logprobs"])
-    model_update_group.destroy()

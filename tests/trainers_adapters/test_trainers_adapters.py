@@ -1,18 +1,14 @@
-"""hotswap.trainers_adapters in process: SGLang's Engine, vLLM's LLM, verl's rollout adapter and
-the group helpers, on one tiny random Llama engine."""
+"""hotswap.trainers_adapters in process: SGLang's Engine, vLLM's LLM and the group helpers, on one
+tiny random Llama engine (verl: test_verl.py; OpenRLHF: test_openrlhf_actor.py)."""
 
 from __future__ import annotations
-
-import asyncio
-import importlib.util
-import sys
 
 import pytest
 import torch
 from fixtures import write_tiny_chat_model
 
 from hotswap.engine import Engine
-from hotswap.trainers_adapters import sglang, verl
+from hotswap.trainers_adapters import sglang
 from hotswap.trainers_adapters.groups import init_custom_process_group
 from hotswap.trainers_adapters.vllm import LLM, SamplingParams
 
@@ -137,28 +133,6 @@ def test_vllm_tensor_parallel_size_runs_the_engine_over_that_many_ranks(engine):
         llm.engine.shutdown()
 
 
-def test_verl_adapter_buckets_one_version_and_token_output(engine):
-    adapter = verl.HotswapServerAdapter(
-        config={"checkpoint_engine": {"update_weights_bucket_megabytes": 0.01}}, engine=engine)
-    adapter._bucket_bytes = lambda: 20_000  # several buckets for the tiny model
-    start = int(engine.get_weight_version())
-    weights = moved(engine, seed=3)
-
-    async def flow() -> object:
-        await adapter.update_weights(iter(weights))
-        return await adapter.generate(IDS, {"temperature": 0.0, "max_tokens": 5,
-                                            "logprobs": True}, request_id="r1")
-
-    out = asyncio.run(flow())
-    assert engine.get_weight_version() == str(start + 1)
-    assert out.token_ids == greedy_ids(engine)[:5] and len(out.log_probs) == 5
-    assert out.stop_reason == "completed"
-
-
-def test_verl_registers_only_when_importable():
-    assert verl.register() is (importlib.util.find_spec("verl") is not None)
-
-
 def test_group_helper_rejects_what_hotswap_cannot_join():
     with pytest.raises(ValueError, match="init_method"):
         init_custom_process_group(backend="gloo", init_method="env://", world_size=2, rank=0,
@@ -166,32 +140,3 @@ def test_group_helper_rejects_what_hotswap_cannot_join():
     with pytest.raises(ValueError, match="group_name"):
         init_custom_process_group(backend="gloo", init_method="tcp://127.0.0.1:1",
                                   world_size=2, rank=0)
-
-
-def test_verl_registry_entry_resolves_to_the_adapter(monkeypatch):
-    """With verl importable (a stand-in for its base module here), the adapter subclasses
-    BaseRollout and verl's registry lookup finds it under ("hotswap", "async")."""
-    import importlib
-    import types
-
-    base = types.ModuleType("verl.workers.rollout.base")
-
-    class BaseRollout:
-        pass
-
-    base.BaseRollout = BaseRollout
-    base._ROLLOUT_REGISTRY = {("sglang", "async"): "verl.workers.rollout.sglang_rollout.X"}
-    for name in ("verl", "verl.workers", "verl.workers.rollout"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "verl.workers.rollout.base", base)
-    try:
-        module = importlib.reload(verl)
-        fqdn = base._ROLLOUT_REGISTRY[("hotswap", "async")]
-        module_name, class_name = fqdn.rsplit(".", 1)  # verl's get_rollout_class
-        cls = getattr(importlib.import_module(module_name), class_name)
-        assert cls is module.HotswapServerAdapter and issubclass(cls, BaseRollout)
-    finally:
-        monkeypatch.undo()
-        importlib.reload(verl)
-    if importlib.util.find_spec("verl") is None:
-        assert verl.HotswapServerAdapter.__mro__[1] is object

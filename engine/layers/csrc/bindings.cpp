@@ -20,6 +20,9 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("sample_rows(Tensor x, Tensor? u) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual, "
+        "int block) -> Tensor");
   m.def("head_amx() -> bool");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
@@ -33,6 +36,8 @@ TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("silu_and_mul", &hotswap::silu_and_mul);
   m.impl("small_linear", &hotswap::small_linear);
   m.impl("sample_rows", &hotswap::sample_rows);
+  m.impl("quantize_rows", &hotswap::quantize_rows);
+  m.impl("int8_linear", &hotswap::int8_linear);
   m.impl("head_pack", &hotswap::head_pack);
   m.impl("head_logits", &hotswap::head_logits);
 }

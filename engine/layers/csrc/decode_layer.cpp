@@ -24,9 +24,17 @@ auto scoped(const char* name, F f) {
 
 // x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it on
 // `path`: the small-batch kernel (w plain bf16, a few rows; the residual joins its float32
-// sums), else oneDNN's matmul (w packed or plain) or at::linear, then the add.
+// sums), the int8 matmul (w int8 with its `scale`; the residual joins its rescaling), else
+// oneDNN's matmul (w packed or plain) or at::linear, then the add.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                  const at::Tensor* residual, int64_t path) {
+                  const at::Tensor* residual, int64_t path,
+                  const std::optional<at::Tensor>& scale = std::nullopt) {
+  if (path == PATH_INT8)
+    return scoped("hotswap::int8_linear", [&] {
+      return int8_linear(x, w, *scale, b,
+                         residual ? std::optional<at::Tensor>(*residual) : std::nullopt,
+                         hadamard_block(x.size(1)));
+    });
   if (path == PATH_SMALL)
     return scoped("hotswap::small_linear", [&] {
       return small_linear(x, w, b, residual ? std::optional<at::Tensor>(*residual) : std::nullopt);
@@ -64,12 +72,14 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
                                                const at::Tensor& v_buf) {
   const int64_t hkv = k_buf.size(1), d = k_buf.size(2), heads = stack.num_heads;
   const int64_t q_size = heads * d, kv_size = hkv * d, path = stack.path;
-  const bool small = path == PATH_SMALL;
+  // Paths whose kernel adds the residual to its float32 sums (one rounding in bf16).
+  const bool small = path == PATH_SMALL || path == PATH_INT8;
   // The parts other than the matmuls (aten ops, seen already) under their ops' names.
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight, const at::Tensor* r) {
     return scoped("hotswap::rms_norm", [&] { return rms_norm_impl(t, weight, stack.eps, r); });
   };
-  auto qkv = linear(norm(x, w.input_norm, pending), w.qkv, w.qkv_bias, nullptr, path);
+  auto qkv = linear(norm(x, w.input_norm, pending), w.qkv, w.qkv_bias, nullptr, path,
+                    w.qkv_scale);
   scoped("hotswap::rotary_", [&] {
     return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, heads + hkv, d}), step.cos,
                    step.sin);
@@ -79,11 +89,11 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
     return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, step.req_to_token,
                             step.req_idx, step.seq_lens, step.scale);
   });
-  auto h = linear(o, w.o, std::nullopt, small ? &x : nullptr, path);
+  auto h = linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_scale);
   auto gate_up = linear(norm(h, w.post_norm, small ? nullptr : &x), w.gate_up, std::nullopt,
-                        nullptr, path);
+                        nullptr, path, w.gate_up_scale);
   gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
-  auto out = linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path);
+  auto out = linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path, w.down_scale);
   return {out, small ? at::Tensor() : h};
 }
 
@@ -91,16 +101,24 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
 
 DecodeLayers::DecodeLayers(double eps, int64_t path, int64_t num_heads)
     : eps(eps), path(path), num_heads(num_heads) {
-  TORCH_CHECK(path == PATH_ATEN || path == PATH_ONEDNN || path == PATH_SMALL,
-              "path must be linear.py's ATEN, ONEDNN or SMALL, got ", path);
+  TORCH_CHECK(path == PATH_ATEN || path == PATH_ONEDNN || path == PATH_SMALL || path == PATH_INT8,
+              "path must be linear.py's ATEN, ONEDNN, SMALL or INT8, got ", path);
   TORCH_CHECK(num_heads > 0, "num_heads must be positive");
 }
 
 void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor qkv,
                              std::optional<at::Tensor> qkv_bias, at::Tensor o,
-                             at::Tensor post_norm, at::Tensor gate_up, at::Tensor down) {
+                             at::Tensor post_norm, at::Tensor gate_up, at::Tensor down,
+                             std::optional<at::Tensor> qkv_scale,
+                             std::optional<at::Tensor> o_scale,
+                             std::optional<at::Tensor> gate_up_scale,
+                             std::optional<at::Tensor> down_scale) {
+  TORCH_CHECK(path != PATH_INT8 || (qkv_scale && o_scale && gate_up_scale && down_scale),
+              "PATH_INT8 needs every weight's scales");
   layers.push_back({std::move(input_norm), std::move(qkv), std::move(qkv_bias), std::move(o),
-                    std::move(post_norm), std::move(gate_up), std::move(down)});
+                    std::move(post_norm), std::move(gate_up), std::move(down),
+                    std::move(qkv_scale), std::move(o_scale), std::move(gate_up_scale),
+                    std::move(down_scale)});
 }
 
 // Every decoder layer of a decode-only batch in one call: decode_layer for each layer in turn,

@@ -12,15 +12,16 @@
 
 namespace hotswap {
 
-// How a fused layer multiplies: layers/linear.py's ATEN, ONEDNN and SMALL, which pick it.
-constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2;
+// How a fused layer multiplies: layers/linear.py's ATEN, ONEDNN, SMALL and INT8, which pick it.
+constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3;
 
 // One decoder layer's weights as linear() multiplies them on the stack's path (the packed copy
-// where there is one, except on PATH_SMALL).
+// where there is one, except on PATH_SMALL; on PATH_INT8 the int8 weights and their scales).
 struct LayerWeights {
   at::Tensor input_norm, qkv;
   std::optional<at::Tensor> qkv_bias;
   at::Tensor o, post_norm, gate_up, down;
+  std::optional<at::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
 };
 
 // A model's decoder layers for the fused decode step, built once per set of weights (and path)
@@ -28,7 +29,9 @@ struct LayerWeights {
 struct DecodeLayers : torch::CustomClassHolder {
   DecodeLayers(double eps, int64_t path, int64_t num_heads);
   void add_layer(at::Tensor input_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_bias,
-                 at::Tensor o, at::Tensor post_norm, at::Tensor gate_up, at::Tensor down);
+                 at::Tensor o, at::Tensor post_norm, at::Tensor gate_up, at::Tensor down,
+                 std::optional<at::Tensor> qkv_scale, std::optional<at::Tensor> o_scale,
+                 std::optional<at::Tensor> gate_up_scale, std::optional<at::Tensor> down_scale);
   int64_t size() const { return int64_t(layers.size()); }
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> k_bufs, std::vector<at::Tensor> v_bufs,
                      at::Tensor cos, at::Tensor sin, at::Tensor loc, at::Tensor req_to_token,

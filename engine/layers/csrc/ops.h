@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -30,6 +31,13 @@ bool head_amx();
 at::Tensor head_pack(const at::Tensor& w);
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                        const at::Tensor& packed, int64_t vocab);
+// The Hadamard block of an int8 linear with k inputs (layers/quant.py's hadamard_block): the
+// largest power of two dividing k, at most 64.
+inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 64); }
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual, int64_t block);
 std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& x,
                                                const std::optional<at::Tensor>& u);
 

@@ -116,6 +116,16 @@ inline void store32(float* o, __m512 lo, __m512 hi) {
   _mm512_storeu_ps(o + 16, hi);
 }
 
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+// Rounded to nearest even, as narrow<at::BFloat16> (NaN aside).
+inline void store16(at::BFloat16* o, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+}
+
 #if defined(__AVX512BF16__)
 inline void store32(at::BFloat16* o, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));

@@ -1,5 +1,6 @@
-"""One interface, three implementations: the same calls against an in-process Engine, a
-RemoteEngine over a server, and a Router over two servers (docs/api.md#one-interface).
+"""One interface, four implementations: the same calls against an in-process Engine, a
+RemoteEngine over a server, a Router over two servers, and a RayFleet of two replicas
+(docs/api.md#one-interface).
 
 Every implementation must have exactly EngineClient's methods with its signatures, give the
 same outputs (greedy tokens and logprobs of a fresh engine holding the same weights), and raise
@@ -27,19 +28,20 @@ from safetensors.torch import load_file
 from hotswap.engine import Engine, EngineClient, RemoteEngine
 from hotswap.engine.client.protocol import interface_methods
 from hotswap.engine.errors import WeightsIncompleteError
-from hotswap.fleet import Router
+from hotswap.fleet import RayFleet, Router
 from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.group import free_port
 
 pytestmark = pytest.mark.slow
 
-KINDS = ("engine", "remote", "router")
+KINDS = ("engine", "remote", "router", "ray")
 # Public names an implementation may have besides the interface; anything else is drift.
 EXTRAS: dict[type, set[str]] = {
     Engine: {"get_load"},
     RemoteEngine: {"health", "get_metrics"},
-    Router: {"choose", "done", "mark_down", "least_loaded", "fan_out", "fan_out_indexed",
-             "failures", "headers"},
+    Router: {"choose", "done", "mark_down", "least_loaded", "members", "call_each",
+             "call_each_indexed", "headers"},
+    RayFleet: {"members", "call_each", "call_each_indexed", "scale", "replicas_info"},
 }
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["The quick brown fox", "A rollout engine samples"]
@@ -96,6 +98,12 @@ def client(request, models) -> Iterator[Recorder]:
     with contextlib.ExitStack() as stack:
         if request.param == "engine":
             impl = stack.enter_context(Engine(models["a"], **ENGINE_KW))
+        elif request.param == "ray":
+            import ray
+
+            ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+            stack.callback(ray.shutdown)
+            impl = stack.enter_context(RayFleet(models["a"], replicas=2, engine_kwargs=ENGINE_KW))
         else:
             engines = [stack.enter_context(Engine(models["a"], **ENGINE_KW))
                        for _ in range(1 if request.param == "remote" else 2)]
@@ -127,7 +135,7 @@ def _shape(sig: inspect.Signature) -> list[tuple[str, Any, Any]]:
     return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
 
 
-@pytest.mark.parametrize("impl", [Engine, RemoteEngine, Router], ids=KINDS)
+@pytest.mark.parametrize("impl", [Engine, RemoteEngine, Router, RayFleet], ids=KINDS)
 def test_each_implementation_has_exactly_the_interface(impl):
     assert issubclass(impl, EngineClient)
     assert not impl.__abstractmethods__
@@ -256,7 +264,8 @@ def _serialized(named: dict[str, torch.Tensor]) -> list[str]:
 
 
 def test_update_over_a_process_group(client, models):
-    assert client.weight_sync_ranks == {"engine": 1, "remote": 1, "router": 2}[client.kind]
+    assert client.weight_sync_ranks == {"engine": 1, "remote": 1, "router": 2,
+                                       "ray": 2}[client.kind]
     sender = WeightSender("127.0.0.1", free_port(), 1 + client.weight_sync_ranks,
                           group_name="conf", backend="gloo", timeout_s=60)
     replies = sender.send(models["b_tensors"], [client], weight_version="b-dist")

@@ -11,6 +11,7 @@ from fixtures import serve, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
+from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.group import WeightSyncError, free_port
 
@@ -132,3 +133,25 @@ def test_weight_sender_targets_a_remote_engine(engine, remote, tmp_path):
     finally:
         sender.close([remote])
     assert not remote.destroy_weights_update_group()["success"]  # already gone
+
+
+def test_staging_travels_to_the_server(engine, remote, tmp_path):
+    """The server stages by default; staging="none" from the client receives in place, so a
+    NaN leaves it refusing generation until a complete update."""
+    new = load_file(f"{write_tiny_chat_model(str(tmp_path / 'new'), seed=6)}/model.safetensors")
+    bad = {**new, "model.norm.weight": new["model.norm.weight"].clone()}
+    bad["model.norm.weight"][0] = float("nan")
+    with pytest.raises(ValueError, match="staging"):
+        remote.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]],
+                                               staging="copy")
+    sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60)
+    try:
+        with pytest.raises(WeightSyncError, match="non-finite"):
+            sender.send(bad, [remote], weight_version="nan", staging="none")
+        with pytest.raises(WeightsIncompleteError):
+            remote.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 2})
+        assert sender.send(new, [remote], weight_version="remote-2", staging="none")[0]["success"]
+        out = remote.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 2})
+        assert out["meta_info"]["weight_version"] == "remote-2"
+    finally:
+        sender.close([remote])

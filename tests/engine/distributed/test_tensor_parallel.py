@@ -257,6 +257,9 @@ def test_distributed_updates_under_tp2_land_on_every_rank_or_on_none(models):
             shape = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
             with pytest.raises(WeightSyncError, match="up_proj"):
                 sender.send(shape, [two], weight_version="shape")
+            # The ranks always receive beside their shards (all or none): "none" is refused.
+            with pytest.raises(WeightSyncError, match="staging='none'.*tensor parallel"):
+                sender.send(tensors_a, [two], weight_version="none", staging="none")
             assert two.get_weight_version() == "b"
             assert torch.equal(torch.tensor(two.get_weights_by_name(down, 1 << 20)), down_b)
             _assert_same(_run(two), want_b)

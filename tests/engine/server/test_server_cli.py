@@ -7,15 +7,28 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from fixtures import PROMPT, wait_until
 
-from hotswap.engine.server.app import build_parser
+from hotswap.engine import Engine
+from hotswap.engine.server.app import build_parser, engine_kwargs
 from hotswap.weight_sync.group import free_port
 
 
 def test_cli_defaults_to_localhost():
     args = build_parser().parse_args(["--model-path", "m"])
     assert args.host == "127.0.0.1" and args.api_key is None and args.admin_key is None
+
+
+def test_weight_staging_flag_sets_the_engine_default(api_model_path):
+    parse = build_parser().parse_args
+    assert engine_kwargs(parse(["--model-path", "m"]))["weight_staging"] == "standby"
+    args = parse(["--model-path", api_model_path, "--device", "cpu", "--max-total-tokens",
+                  "1024", "--weight-staging", "none"])
+    with Engine(**engine_kwargs(args)) as engine:
+        assert engine.config.weight_staging == "none"
+    with pytest.raises(SystemExit):
+        parse(["--model-path", "m", "--weight-staging", "copy"])
 
 
 def test_cli_serves_and_logs_open_access(api_model_path):

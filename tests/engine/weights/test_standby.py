@@ -128,3 +128,55 @@ def test_staging_none_receives_in_place(paths):
         assert eng.weights.runner.weight_map["model.norm.weight"].param.data_ptr() == live
         assert eng.weights.standby.flat is None  # never allocated
         _assert_weights(eng, _tensors(paths["b"]))
+
+
+def test_per_call_staging_none_receives_in_place_until_a_complete_update(paths):
+    """staging="none" on one call of a standby engine: in place, no standby allocated; a NaN
+    then leaves the engine refusing generation until a complete update."""
+    with _engine(paths["a"]) as eng:
+        live = eng.weights.runner.weight_map["model.norm.weight"].param.data_ptr()
+        with pytest.raises(WeightSyncError, match="non-finite"):
+            _send([eng], _poisoned(_tensors(paths["b"]), float("nan")), staging="none")
+        assert eng.get_weight_version() == "0"
+        with pytest.raises(WeightsIncompleteError, match="non-finite"):
+            _outputs(eng)
+        assert _send([eng], _tensors(paths["b"]), staging="none")[0]["success"]
+        assert eng.weights.runner.weight_map["model.norm.weight"].param.data_ptr() == live
+        assert eng.weights.standby.flat is None
+        _assert_weights(eng, _tensors(paths["b"]))
+        with _engine(paths["b"]) as fresh:
+            assert _outputs(eng) == _outputs(fresh)
+
+
+def test_per_call_staging_standby_refuses_a_nan_on_an_in_place_engine(paths):
+    with _engine(paths["a"], weight_staging="none") as eng:
+        before = _outputs(eng)
+        with pytest.raises(WeightSyncError, match="non-finite"):
+            _send([eng], _poisoned(_tensors(paths["b"]), float("inf")), staging="standby",
+                  weight_version="bad")
+        assert eng.get_weight_version() == "0"
+        assert _outputs(eng) == before
+        _assert_weights(eng, _tensors(paths["a"]))
+
+
+@pytest.mark.parametrize("staging", ["", "inplace", "None", 1])
+def test_a_bad_staging_is_refused_with_nothing_changed(paths, staging):
+    """Refused before the receive, the broadcast still drained: the next update goes through."""
+    with _engine(paths["a"]) as eng:
+        before = _outputs(eng)
+        with pytest.raises(WeightSyncError, match="staging must be one of"):
+            _send([eng], _tensors(paths["b"]), staging=staging)
+        assert eng.get_weight_version() == "0" and eng.weights.standby.flat is None
+        assert _outputs(eng) == before
+        _assert_weights(eng, _tensors(paths["a"]))
+
+
+def test_staging_none_is_refused_where_it_cannot_be_all_or_none(paths):
+    with _engine(paths["a"]) as one, _engine(paths["a"]) as two:
+        sender = WeightSender("127.0.0.1", free_port(), 3, backend="gloo", timeout_s=30)
+        with pytest.raises(ValueError, match="two-phase"):
+            sender.send(_tensors(paths["b"]), [one, two], staging="none")
+        assert not sender.connected  # refused before the group was made
+        assert one.get_weight_version() == two.get_weight_version() == "0"
+    with pytest.raises(ValueError, match="tp_size"):
+        _engine(paths["a"], tp_size=2, weight_staging="none")

@@ -170,9 +170,12 @@ def test_trainer_process_update_equals_fresh_engine_smollm2(trainer, real_model_
 
 # No stale KV: nothing admitted after an update reads KV of the old weights.
 
-@pytest.mark.parametrize("salt, mode", [(None, "retract"), ("tenant-a", "retract"),
-                                        (None, "in_place")])
-def test_update_retires_cached_prefixes(tiny_chat_model_path, v1_tensors, v1_path, salt, mode):
+@pytest.mark.parametrize("salt, mode, label", [
+    (None, "retract", "v1"), ("tenant-a", "retract", "v1"), (None, "in_place", "v1"),
+    # New weights under the label the engine already serves (a trainer's first push "0"):
+    (None, "retract", V0)])
+def test_update_retires_cached_prefixes(tiny_chat_model_path, v1_tensors, v1_path, salt, mode,
+                                        label):
     prompt = LONG_PREFIX + "Where are the dinosaurs?"
     with make_engine(tiny_chat_model_path) as engine:
         engine.generate(prompt=LONG_PREFIX + "Hi.", sampling_params=greedy(4), cache_salt=salt)
@@ -183,9 +186,9 @@ def test_update_retires_cached_prefixes(tiny_chat_model_path, v1_tensors, v1_pat
             holder = engine.generate(prompt=prompt, sampling_params=greedy(400), cache_salt=salt,
                                      stream=True)
             next(holder)
-        reply = engine.update_weights_from_tensor(v1_tensors, weight_version="v1",
+        reply = engine.update_weights_from_tensor(v1_tensors, weight_version=label,
                                                   pause_mode=mode)
-        assert reply["success"] and reply["weight_version"] == "v1"
+        assert reply["success"] and reply["weight_version"] == label
         first = engine.generate(prompt=prompt, sampling_params=greedy(10), cache_salt=salt,
                                 return_logprob=True)
         second = engine.generate(prompt=prompt, sampling_params=greedy(10), cache_salt=salt,

@@ -1,0 +1,177 @@
+// int8 linear layers (layers/quant.py): weights int8 per output channel, activations int8 per
+// token (dynamic), both symmetric and both rotated by a block Hadamard transform along the input
+// dimension first, which spreads a channel's outlier over its block so that one large value no
+// longer sets the scale of the whole row. int32 products and sums (at::_int_mm: oneDNN's VNNI or
+// AMX kernels), rescaled to float32 and written in x's dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace hotswap {
+namespace {
+
+// In place: each block of `block` floats (a power of two) times the Hadamard matrix of that
+// order, unnormalised (the Walsh-Hadamard butterflies; quantize_row folds in 1/sqrt(block)).
+void hadamard_blocks(float* v, int64_t k, int64_t block, int64_t first_h = 1) {
+  for (int64_t b = 0; b < k; b += block) {
+    float* x = v + b;
+    for (int64_t h = first_h; h < block; h *= 2)
+      for (int64_t i = 0; i < block; i += 2 * h) {
+#pragma omp simd
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], c = x[j + h];
+          x[j] = a + c;
+          x[j + h] = a - c;
+        }
+      }
+  }
+}
+
+#if defined(__AVX512F__)
+// The four butterfly stages inside 16 lanes: each lane meets lane ^ h; the upper one of the pair
+// (mask bit set) takes partner - self, the lower one self + partner.
+inline __m512 hadamard16(__m512 v) {
+  const __m512i i = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  constexpr __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+  for (int s = 0; s < 4; ++s) {
+    const __m512 p = _mm512_permutexvar_ps(_mm512_xor_si512(i, _mm512_set1_epi32(1 << s)), v);
+    v = _mm512_mask_blend_ps(upper[s], _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
+  }
+  return v;
+}
+#endif
+
+// One row x [k] -> q [k] int8: rotated, then q = round(v * 127 / max|v|); returns the scale
+// max|v| / 127 of the normalised rotation (0 for a row of zeros, whose q are all 0). `v` is
+// scratch of k floats.
+template <typename T>
+float quantize_row(const T* x, float* v, int8_t* q, int64_t k, int64_t block) {
+  float amax = 0.0f;
+#if defined(__AVX512F__)
+  if (k % 16 == 0 && block >= 16) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) _mm512_storeu_ps(v + j, hadamard16(load16(x + j)));
+    hadamard_blocks(v, k, block, 16);
+    for (int64_t j = 0; j < k; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+    amax = _mm512_reduce_max_ps(vmax);
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int64_t j = 0; j < k; j += 16) {
+      // Round to nearest even (the default rounding mode), then saturate to int8 (|q| <= 127).
+      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtsepi32_epi8(r));
+    }
+    return amax / (127.0f * std::sqrt(float(block)));
+  }
+#endif
+  load_row(x, v, k);
+  hadamard_blocks(v, k, block);
+#pragma omp simd reduction(max : amax)
+  for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < k; ++j)
+    q[j] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[j] * inv))));
+  return amax / (127.0f * std::sqrt(float(block)));
+}
+
+// out[j] = acc[j] * s * ws[j] (+ bias[j]) (+ residual[j]) for one row of n, in T.
+template <typename T>
+void rescale_row(const int32_t* acc, float s, const float* ws, const float* bias, const T* res,
+                 T* out, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(s);
+  for (; j + 16 <= n; j += 16) {
+    __m512 v = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + j)),
+        _mm512_mul_ps(sv, _mm512_loadu_ps(ws + j)));
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+    if (res) v = _mm512_add_ps(v, load16(res + j));
+    store16(out + j, v);
+  }
+#endif
+  for (; j < n; ++j) {
+    float v = float(acc[j]) * (s * ws[j]);
+    if (bias) v += bias[j];
+    if (res) v += widen(res[j]);
+    out[j] = narrow<T>(v);
+  }
+}
+
+// Rows of x [m, k] (float32 or bf16) -> q int8 [m, k] and scales float32 [m].
+std::tuple<at::Tensor, at::Tensor> quantize_rows_impl(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.dim() == 2, "quantize_rows: x must be 2-D");
+  TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && x.size(1) % block == 0,
+              "quantize_rows: block must be a power of two dividing ", x.size(1), ", got ", block);
+  const auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  auto q = at::empty({m, k}, xc.options().dtype(at::kChar));
+  auto scale = at::empty({m}, xc.options().dtype(at::kFloat));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  dispatch(xc.scalar_type(), "quantize_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = xc.data_ptr<T>();
+    // Few rows are not worth a second thread's start-up.
+    at::parallel_for(0, m, m * k < 65536 ? m : 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(k);
+      for (int64_t i = begin; i < end; ++i)
+        sp[i] = quantize_row(xp + i * k, scratch.data(), qp + i * k, k, block);
+    });
+  });
+  return {q, scale};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
+  return quantize_rows_impl(x, block);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual, int64_t block) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "int8_linear: x [m, k] and weight [n, k] expected");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_linear: weight must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0),
+              "int8_linear: scale must be float32 [n]");
+  const int64_t m = x.size(0), n = weight.size(0);
+  auto [q, xs] = quantize_rows_impl(x, block);
+  // [n, k] contiguous, passed transposed: oneDNN reads it as a column-major [k, n].
+  const at::Tensor acc = at::_int_mm(q, weight.t());
+  auto out = at::empty({m, n}, x.options());
+  std::optional<at::Tensor> b, r;
+  if (bias) b = bias->to(at::kFloat).contiguous();
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == out.sizes() && residual->scalar_type() == x.scalar_type(),
+                "int8_linear: residual must be [m, n] in x's dtype");
+    r = residual->contiguous();
+  }
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* xsp = xs.data_ptr<float>();
+  const float* wsp = scale.data_ptr<float>();
+  const float* bp = b ? b->data_ptr<float>() : nullptr;
+  dispatch(x.scalar_type(), "int8_linear", [&](auto tag) {
+    using T = decltype(tag);
+    T* op = out.data_ptr<T>();
+    const T* rp = r ? r->data_ptr<T>() : nullptr;
+    at::parallel_for(0, m, m * n < 65536 ? m : 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rescale_row(ap + i * n, xsp[i], wsp, bp, rp ? rp + i * n : nullptr, op + i * n, n);
+    });
+  });
+  return out;
+}
+
+}  // namespace hotswap

@@ -1,0 +1,137 @@
+"""Mixture-of-experts layer: a softmax top-k router over SwiGLU experts (Qwen3-MoE, Mixtral).
+
+Routing follows HF transformers exactly: router logits in the model dtype, softmax in float32,
+top-k, the k probabilities renormalised where the model says so, then cast to the model dtype
+(Qwen3-MoE) or kept in float32 (Mixtral) before they scale the expert outputs.
+
+The experts run grouped: the (token, slot) pairs are sorted by expert id, and on CPU every expert
+that got tokens multiplies its rows in one matmul (no loop over idle experts, none over tokens);
+on CUDA a Triton kernel runs all of them as one grouped GEMM (moe_triton.py). Each token's k
+outputs are summed in ascending expert order, as HF's index_add_ loop does.
+
+Routing replay: given `topk_ids` are used instead of the router's choice, with weights still read
+from the router's probabilities at those ids, so the same ids reproduce the same output bits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.linear import linear, pack
+
+
+class Routing(NamedTuple):
+    topk_ids: torch.Tensor  # [tokens, top_k] int64 expert ids, the router's order
+    topk_weights: torch.Tensor  # [tokens, top_k] what scales each expert's output
+
+
+class MoEOutput(NamedTuple):
+    hidden: torch.Tensor  # [tokens, hidden]
+    topk_ids: torch.Tensor  # [tokens, top_k]: the experts used (to record, or to replay)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   weights_dtype: torch.dtype, topk_ids: torch.Tensor | None = None) -> Routing:
+    """The router's top-k experts and their weights; with `topk_ids`, those experts instead."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if topk_ids is None:
+        weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        weights = probs.gather(1, topk_ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(topk_ids, weights.to(weights_dtype))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if cpu_kernels.applies(gate_up):
+        return cpu_kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class ExpertPacks(NamedTuple):
+    """pack() of every expert's w13 and w2 (layers/linear.py): caches of the weights."""
+
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing,
+                    packs: ExpertPacks | None = None) -> torch.Tensor:
+    """sum over k of weight * down(silu(gate(x)) * up(x)) per token, one matmul pair per expert
+    that got tokens: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]."""
+    ids, weights = routing
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    active = counts.nonzero().flatten()
+    ends = counts.cumsum(0)[active]
+    token_of = order // top_k
+    xs = x.index_select(0, token_of)
+    out = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
+    for e, n, end in zip(active.tolist(), counts[active].tolist(), ends.tolist(), strict=True):
+        p13, p2 = (None, None) if packs is None else (packs.w13[e], packs.w2[e])
+        h = silu_and_mul(linear(xs[end - n: end], w13[e], packed=p13))
+        out[end - n: end] = linear(h, w2[e], packed=p2)
+    out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing,
+                  packs: ExpertPacks | None = None) -> torch.Tensor:
+    """The experts' weighted sum per token: the Triton grouped GEMM on CUDA, else torch."""
+    if x.is_cuda:
+        from hotswap.engine.layers import moe_triton
+
+        return moe_triton.fused_experts(x, w13, w2, *routing)
+    return grouped_experts(x, w13, w2, routing, packs)
+
+
+class FusedMoE(nn.Module):
+    """The router (`gate`) and every expert's weights, stacked: w13 [E, 2I, H] holds each
+    expert's gate_proj rows then its up_proj rows (HF's fused gate_up_proj), w2 [E, H, I] its
+    down_proj. Under tensor parallelism I is this rank's part of every expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, fp32_weights: bool):
+        super().__init__()
+        # The sizes, kept: the parameters' storage may be released (release_memory_occupation).
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.fp32_weights = fp32_weights  # Mixtral scales in float32, Qwen3-MoE in model dtype
+        # torch's own Linear, as in HF: the same logits bits, so the same experts where near-ties
+        # would flip under another matmul kernel.
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.packs: ExpertPacks | None = None  # kept current by the ModelRunner, as Linear's
+
+    def pack_weights(self, enable: bool) -> None:
+        """Rebuild (or drop) the packed copies of the experts' weights (where packing applies:
+        about a fifth faster at the few rows an expert gets in a decode step)."""
+        self.packs = None
+        if enable and pack(self.w13[0]) is not None:
+            self.packs = ExpertPacks([pack(w) for w in self.w13], [pack(w) for w in self.w2])
+
+    def route(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> Routing:
+        weights_dtype = torch.float32 if self.fp32_weights else x.dtype
+        return select_experts(self.gate(x), self.top_k, self.renormalize, weights_dtype,
+                              topk_ids)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> MoEOutput:
+        """x [tokens, hidden]; `topk_ids` [tokens, top_k] replays a recorded routing."""
+        if topk_ids is not None and tuple(topk_ids.shape) != (len(x), self.top_k):
+            raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
+                             f"{(len(x), self.top_k)}")
+        routing = self.route(x, topk_ids)
+        return MoEOutput(fused_experts(x, self.w13, self.w2, routing, self.packs),
+                         routing.topk_ids)

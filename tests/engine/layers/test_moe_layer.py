@@ -1,0 +1,174 @@
+"""The MoE layer: routing equals HF's routers, the grouped experts equal a per-token reference and
+HF's sparse blocks, replayed ids reproduce the output, and the Triton kernel (under the
+interpreter without CUDA) equals the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+# Without CUDA the kernels run under Triton's interpreter: conftest.py sets TRITON_INTERPRET.
+from hotswap.engine.layers import moe_triton
+from hotswap.engine.layers.moe import FusedMoE, Routing, grouped_experts, select_experts
+
+TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 9, 32, 16, 6, 2
+
+
+def naive(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing
+          ) -> torch.Tensor:
+    """Token by token, slot by slot, in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(len(x)):
+        for e, w in zip(routing.topk_ids[t].tolist(), routing.topk_weights[t].float()):
+            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
+            out[t] += w * (w2[e].float() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def random_case(dtype: torch.dtype, seed: int = 0, tokens: int = TOKENS, experts: int = EXPERTS,
+                top_k: int = TOP_K):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    w13 = (0.2 * torch.randn(experts, 2 * INTER, HIDDEN, generator=gen)).to(dtype)
+    w2 = (0.2 * torch.randn(experts, HIDDEN, INTER, generator=gen)).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen).to(dtype)
+    return x, w13, w2, select_experts(logits, top_k, True, dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("tokens,top_k", [(TOKENS, TOP_K), (1, 4), (3, 1)])
+def test_grouped_experts_equal_a_per_token_reference(dtype, tol, tokens, top_k):
+    x, w13, w2, routing = random_case(dtype, tokens=tokens, top_k=top_k)
+    got = grouped_experts(x, w13, w2, routing)
+    assert got.dtype == dtype and got.shape == x.shape
+    want = naive(x, w13, w2, routing)
+    assert torch.allclose(got.float(), want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+def test_idle_experts_are_never_multiplied(monkeypatch):
+    from hotswap.engine.layers import moe
+
+    x, w13, w2, _ = random_case(torch.float32, experts=8)
+    routing = select_experts(torch.tensor([[0.0, 0, 0, 9, 0, 0, 0, 8]] * 4), 2, True,
+                             torch.float32)
+    calls = []
+    real = moe.linear
+    monkeypatch.setattr(moe, "linear",
+                        lambda a, w, **kw: calls.append(len(a)) or real(a, w, **kw))
+    grouped_experts(x[:4], w13, w2, routing)
+    assert calls == [4, 4, 4, 4]  # experts 3 and 7, all four tokens each: gate_up, then down
+
+
+def hf_config(arch: str, norm_topk_prob: bool = True):
+    common = dict(hidden_size=HIDDEN, num_experts_per_tok=TOP_K, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, num_hidden_layers=1)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=INTER,
+                                          num_local_experts=EXPERTS)
+    return transformers.Qwen3MoeConfig(**common, moe_intermediate_size=INTER,
+                                       num_experts=EXPERTS, norm_topk_prob=norm_topk_prob)
+
+
+def hf_block(arch: str, norm_topk_prob: bool, dtype: torch.dtype) -> torch.nn.Module:
+    cfg = hf_config(arch, norm_topk_prob)
+    torch.manual_seed(1)
+    if arch == "mixtral":
+        block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(cfg)
+    else:
+        block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    return block.to(dtype).eval()
+
+
+def ours_like(block: torch.nn.Module, arch: str, norm_topk_prob: bool) -> FusedMoE:
+    layer = FusedMoE(HIDDEN, INTER, EXPERTS, TOP_K, renormalize=norm_topk_prob,
+                     fp32_weights=arch == "mixtral").to(block.gate.weight.dtype)
+    with torch.no_grad():
+        layer.gate.weight.copy_(block.gate.weight)
+        layer.w13.copy_(block.experts.gate_up_proj)
+        layer.w2.copy_(block.experts.down_proj)
+    return layer
+
+
+@pytest.mark.parametrize("arch,norm", [("qwen3_moe", False), ("qwen3_moe", True),
+                                       ("mixtral", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_equals_hf_sparse_block(arch, norm, dtype):
+    block = hf_block(arch, norm, dtype)
+    layer = ours_like(block, arch, norm)
+    x = torch.randn(1, 11, HIDDEN).to(dtype)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = block.gate(x.view(-1, HIDDEN))
+        want = block(x).view(-1, HIDDEN)
+    routing = layer.route(x.view(-1, HIDDEN))
+    # The router exactly: the same experts, the same weights in the same dtype.
+    assert torch.equal(routing.topk_ids, hf_ids)
+    assert routing.topk_weights.dtype == hf_weights.dtype
+    assert torch.equal(routing.topk_weights, hf_weights)
+    got = layer(x.view(-1, HIDDEN)).hidden
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
+
+
+def test_replayed_ids_reproduce_the_output_and_other_ids_route_there():
+    block = hf_block("qwen3_moe", True, torch.float32)
+    layer = ours_like(block, "qwen3_moe", True)
+    x = torch.randn(7, HIDDEN)
+    first = layer(x)
+    again = layer(x, topk_ids=first.topk_ids)
+    assert torch.equal(again.hidden, first.hidden) and torch.equal(again.topk_ids, first.topk_ids)
+    # Other experts: the given ids are used, weighted by the router's own probabilities there.
+    other = (first.topk_ids + 1) % EXPERTS
+    replayed = layer(x, topk_ids=other)
+    assert torch.equal(replayed.topk_ids, other)
+    probs = torch.softmax(layer.gate(x), dim=-1).gather(1, other)
+    want = naive(x, layer.w13.detach(), layer.w2.detach(),
+                 Routing(other, probs / probs.sum(-1, keepdim=True)))
+    assert torch.allclose(replayed.hidden, want, atol=1e-5)
+    with pytest.raises(ValueError, match="topk_ids has shape"):
+        layer(x, topk_ids=other[:3])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(TOKENS, EXPERTS, TOP_K), (1, 4, 4),
+                                                  (20, 3, 1)])
+def test_triton_kernel_equals_the_torch_path(dtype, tol, tokens, experts, top_k):
+    x, w13, w2, routing = random_case(dtype, seed=2, tokens=tokens, experts=experts, top_k=top_k)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    want = grouped_experts(x, w13, w2, routing)
+    on = Routing(*(t.to(device) for t in routing))
+    got = moe_triton.fused_experts(x.to(device), w13.to(device), w2.to(device), *on)
+    assert got.dtype == dtype
+    assert torch.allclose(got.cpu().float(), want.float(),
+                          atol=tol * want.abs().max().item(), rtol=0)
+
+
+def test_alignment_pads_each_expert_to_whole_tiles():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])  # expert 0: 2 slots, 1: 1, 2: 3
+    al = moe_triton.align(ids, num_experts=4, block_m=2)
+    experts = al.block_experts.tolist()
+    slots = al.sorted_slots.tolist()
+    assert experts[:4] == [0, 1, 2, 2] and set(experts[4:]) == {4}  # 4: past the last run
+    assert slots[:8] == [1, 4, 3, 6, 0, 2, 5, 6]  # 6 = no slot (padding)
+    assert set(slots[8:]) == {6}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_compiled_kernel_at_decode_and_prefill_sizes(dtype, tol):
+    assert not moe_triton.INTERPRETED
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (1, 64, 1000):
+        x = torch.randn(tokens, 512, generator=gen).to(dtype)
+        w13 = (0.05 * torch.randn(32, 2 * 256, 512, generator=gen)).to(dtype)
+        w2 = (0.05 * torch.randn(32, 512, 256, generator=gen)).to(dtype)
+        routing = select_experts(torch.randn(tokens, 32, generator=gen), 4, True, dtype)
+        want = grouped_experts(x, w13, w2, routing)
+        got = moe_triton.fused_experts(x.cuda(), w13.cuda(), w2.cuda(),
+                                       *(t.cuda() for t in routing))
+        assert torch.allclose(got.cpu().float(), want.float(),
+                              atol=tol * want.abs().max().item(), rtol=0)
