@@ -9,25 +9,21 @@ Each row is what verl's RLHFDataset reads: a chat `prompt`, `data_source`, and
 from __future__ import annotations
 
 import argparse
-import random
 from pathlib import Path
 
 import pandas as pd
+
+from hotswap.rollout.grpo import addition_rows
 
 DATA_SOURCE = "hotswap/addition"
 
 
 def rows(count: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for index in range(count):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        question = f"What is {a} + {b}? Reply with just the number."
-        out.append({"data_source": DATA_SOURCE, "ability": "math",
-                    "prompt": [{"role": "user", "content": question}],
-                    "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                    "extra_info": {"index": index, "question": question}})
-    return out
+    """The main job's questions (hotswap.rollout.grpo), in verl's row format."""
+    return [{"data_source": DATA_SOURCE, "ability": "math", "prompt": row["messages"],
+             "reward_model": {"style": "rule", "ground_truth": str(row["answer"])},
+             "extra_info": {"index": index, "question": row["messages"][-1]["content"]}}
+            for index, row in enumerate(addition_rows(count, seed))]
 
 
 def main() -> None:
