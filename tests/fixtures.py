@@ -191,6 +191,23 @@ def token_logprobs(out: dict) -> list[float]:
     return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
 
 
+def hf_greedy(model_path: str, ids: list[int], count: int, weights: dict | None = None
+              ) -> list[int]:
+    """HF transformers' greedy continuation of `ids` in fp32 (with `weights` loaded, if given):
+    the reference for what an engine serving those weights must generate."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if weights is not None:
+        model.load_state_dict(weights)
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(count):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     """Poll `predicate` every 10 ms until it is true (True) or `timeout_s` passes (False)."""
     deadline = time.monotonic() + timeout_s

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from fixtures import write_tiny_chat_model
+from fixtures import hf_greedy, write_tiny_chat_model
 
 from hotswap.trainers_adapters import openrlhf
 from hotswap.trainers_adapters.groups import stateless_init_process_group
@@ -104,17 +104,6 @@ def model_path(tmp_path_factory) -> str:
     return write_tiny_chat_model(str(tmp_path_factory.mktemp("openrlhf")))
 
 
-def hf_greedy(model_path: str, weights: dict[str, torch.Tensor] | None, ids: list[int]):
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if weights is not None:
-        model.load_state_dict(weights)
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
-
-
 @pytest.mark.slow
 def test_openrlhf_call_order_on_ray(model_path):
     ray = pytest.importorskip("ray")
@@ -147,7 +136,7 @@ def replay_openrlhf(ray, model_path: str) -> None:
     ray.get([e.wake_up.remote() for e in engines])
     before = generate_all()
     ray.get([e.sleep.remote() for e in engines])
-    reference = hf_greedy(model_path, None, prompt_ids)
+    reference = hf_greedy(model_path, prompt_ids, NEW_TOKENS)
     for response in before:
         assert response["observation_tokens"] == prompt_ids + reference
         assert response["action_ranges"] == [(len(prompt_ids), len(prompt_ids) + NEW_TOKENS)]
@@ -185,8 +174,8 @@ def replay_openrlhf(ray, model_path: str) -> None:
     ray.get([e.resume_generation.remote() for e in engines])
     ray.get([e.wake_up.remote() for e in engines])
     after = generate_all()
-    pushed = hf_greedy(model_path, {n: p.detach() for n, p in model.state_dict().items()},
-                       prompt_ids)
+    pushed = hf_greedy(model_path, prompt_ids, NEW_TOKENS,
+                       {n: p.detach() for n, p in model.state_dict().items()})
     assert pushed != reference
     for response in after:
         assert response["observation_tokens"] == prompt_ids + pushed

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from fixtures import write_tiny_chat_model
+from fixtures import hf_greedy, write_tiny_chat_model
 
 from hotswap.trainers_adapters.groups import (
     destroy_process_group,
@@ -52,16 +52,6 @@ def trained(hf_model, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
             for n, p in hf_model.state_dict().items()}
-
-
-def hf_greedy(hf_model, weights: dict[str, torch.Tensor], ids: list[int]) -> list[int]:
-    model = type(hf_model)(hf_model.config)
-    model.load_state_dict(weights)
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +100,10 @@ def slime_generate(url: str, sampling_seed: int | None = None) -> dict:
             "text": output["text"], "weight_version": output["meta_info"]["weight_version"]}
 
 
-def test_slime_distributed_update_sequence(server, hf_model):
+def test_slime_distributed_update_sequence(server, hf_model, model_path):
     url = server
     httpx.get(f"{url}/health_generate", timeout=60).raise_for_status()  # _wait_server_healthy
-    assert slime_generate(url)["tokens"] == hf_greedy(hf_model, hf_model.state_dict(), PROMPT_IDS)
+    assert slime_generate(url)["tokens"] == hf_greedy(model_path, PROMPT_IDS, NEW_TOKENS)
     seeded = slime_generate(url, sampling_seed=3)
     assert len(seeded["tokens"]) == NEW_TOKENS and isinstance(seeded["text"], str)
 
@@ -154,14 +144,14 @@ def test_slime_distributed_update_sequence(server, hf_model):
     assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == version
     after = slime_generate(url)
     assert after["weight_version"] == version
-    assert after["tokens"] == hf_greedy(hf_model, weights, PROMPT_IDS)
+    assert after["tokens"] == hf_greedy(model_path, PROMPT_IDS, NEW_TOKENS, weights)
 
     # disconnect_rollout_engines_from_distributed
     assert post(url, "destroy_weights_update_group", {"group_name": group_name})["success"]
     destroy_process_group(group)
 
 
-def test_verl_server_adapter_sequence(server, hf_model):
+def test_verl_server_adapter_sequence(server, hf_model, model_path):
     url = server
     before = httpx.get(f"{url}/get_weight_version").json()["weight_version"]
     # ServerAdapter.release (sleep), then the worker's order: resume(weights) -> update ->
@@ -187,7 +177,7 @@ def test_verl_server_adapter_sequence(server, hf_model):
     assert version == str(int(before) + 1)  # every bucket, one version
     out = post(url, "generate", {"input_ids": PROMPT_IDS, "sampling_params": {
         "temperature": 0.0, "max_new_tokens": NEW_TOKENS}})
-    assert out["output_ids"] == hf_greedy(hf_model, weights, PROMPT_IDS)
+    assert out["output_ids"] == hf_greedy(model_path, PROMPT_IDS, NEW_TOKENS, weights)
     assert out["meta_info"]["weight_version"] == version
     # AsyncHttpServerAdapter.generate: `text` for the prompt, None fields filtered out, and the
     # agent loop reads (log_prob, token_id, _) triples.

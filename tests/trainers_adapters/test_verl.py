@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 import transformers
-from fixtures import write_tiny_chat_model
+from fixtures import hf_greedy, write_tiny_chat_model
 
 from hotswap.trainers_adapters import verl as verl_adapter
 from hotswap.trainers_adapters.verl.rollout import HotswapRollout
@@ -54,17 +54,6 @@ def server(model_path):
     ray.shutdown()
 
 
-def hf_greedy(model_path: str, weights: dict | None, count: int) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if weights is not None:
-        model.load_state_dict(weights)
-    out = list(IDS)
-    with torch.no_grad():
-        for _ in range(count):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(IDS):]
-
-
 def trained(model_path: str, seed: int) -> dict[str, torch.Tensor]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -84,7 +73,7 @@ def push(rollout: HotswapRollout, weights: dict, step: int, **kwargs) -> None:
 
 def test_hybrid_step_order_one_version_per_step(server, model_path):
     out = ray.get(server.generate.remote(IDS, dict(SAMPLING), "r0"))
-    assert out.token_ids == hf_greedy(model_path, None, 5) and len(out.log_probs) == 5
+    assert out.token_ids == hf_greedy(model_path, IDS, 5) and len(out.log_probs) == 5
     assert out.extra_fields["hotswap_weight_versions"] == ["0"] * 5
     assert out.stop_reason == "completed"
 
@@ -96,7 +85,7 @@ def test_hybrid_step_order_one_version_per_step(server, model_path):
         push(rollout, weights if step else trained(model_path, seed=0), step)
         assert ray.get(server.get_weight_version.remote()) == str(step)
     out = ray.get(server.generate.remote(IDS, dict(SAMPLING), "r1"))
-    assert out.token_ids == hf_greedy(model_path, weights, 5)
+    assert out.token_ids == hf_greedy(model_path, IDS, 5, weights)
     assert out.extra_fields["hotswap_weight_versions"] == ["1"] * 5
     assert [out.extra_fields[k] for k in ("global_steps", "min_global_steps",
                                           "max_global_steps")] == [1, 1, 1]
@@ -119,7 +108,8 @@ def test_push_is_refused_whole(server, model_path):
     good = trained(model_path, seed=3)
     push(rollout, good, 9)
     out = ray.get(server.generate.remote(IDS, dict(SAMPLING), "r3"))
-    assert out.token_ids == hf_greedy(model_path, good, 5) and out.extra_fields["global_steps"] == 9
+    assert out.token_ids == hf_greedy(model_path, IDS, 5, good)
+    assert out.extra_fields["global_steps"] == 9
 
 
 def test_control_calls_verl_makes(server):

@@ -121,7 +121,11 @@ class HotswapRollout(_Base):  # type: ignore[misc, valid-type]
         return error
 
     def generate_sequences(self, prompts: Any) -> Any:
-        raise NotImplementedError("verl generates through the server actors (agent loops)")
+        """verl 0.9's async rollout never calls this: its agent loops generate through the
+        server actors (HotswapServer.generate). A caller that does gets a clear refusal."""
+        raise TypeError("rollout.name=hotswap generates through its server actors (verl's agent "
+                        "loops, rollout.mode=async); the training worker's rollout only moves "
+                        "weights")
 
 
 async def _send(server: Any, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
