@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import random
 import time
 
 from throughput import chat_prompts  # bench/ is on sys.path when run as a script
@@ -123,7 +124,12 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(ensure_model(args.model_path), dtype=args.dtype)
     instrument(engine)
-    prompts = chat_prompts(engine.tokenizer, args.batch)
+    if engine.tokenizer.chat_template is not None:
+        prompts = chat_prompts(engine.tokenizer, args.batch)
+    else:  # a model without a chat template (bench/moe.py's): 32 random ids each
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, engine.model_config.vocab_size) for _ in range(32)]
+                   for _ in range(args.batch)]
     run(engine, prompts[:2], 4)  # warm-up: packs, allocator, first-call paths
     engine.flush_cache()
     start = time.perf_counter()

@@ -113,6 +113,10 @@ class ModelConfig:
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
     def has_dense_layers(self) -> bool:
         return not all(self.is_moe_layer(i) for i in range(self.num_layers))
 
@@ -195,6 +199,9 @@ class EngineConfig:
     # quantize_lm_head: the lm_head too (faster, larger logprob error).
     quantization: str | None = None
     quantize_lm_head: bool = False
+    # MoE models: requests may ask for the experts every token was routed to
+    # (return_routed_experts); each KV slot then also holds its token's routing (docs/moe.md).
+    enable_return_routed_experts: bool = False
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
@@ -219,6 +226,7 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         self._check_hicache()
         self._check_quantization(device)
+        self._check_routed_experts(model)
         if self.ep_size != 1:
             raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
                              "tp_size splits every expert over the ranks instead")
@@ -235,6 +243,16 @@ class EngineConfig:
                              f"device={device!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='int8'")
+
+    def _check_routed_experts(self, model: ModelConfig) -> None:
+        if not self.enable_return_routed_experts:
+            return
+        if model.num_experts == 0:
+            raise ValueError(f"enable_return_routed_experts: {model.architecture} has no "
+                             "mixture-of-experts layers")
+        if self.enable_hierarchical_cache:
+            raise ValueError("enable_return_routed_experts with enable_hierarchical_cache: the "
+                             "host and storage tiers do not keep the routing of their KV")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

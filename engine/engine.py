@@ -67,7 +67,7 @@ class Engine(EngineClient):
         self.requests = RequestBuilder(
             self.tokenizer, model_config.vocab_size, self.config.context_length,
             self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
-            self.loras.check_name)
+            self.loras.check_name, self.config.enable_return_routed_experts)
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
         # daemon) may be inside a step: the interpreter then ends that thread inside torch's C++
@@ -100,11 +100,12 @@ class Engine(EngineClient):
                  return_logprob: bool = False,
                  top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, return_routed_experts: bool = False
+                 ) -> dict | list[dict] | Iterator[dict]:
         """Outputs in the order given, samples of a prompt adjacent; a dict for one prompt, n=1."""
         reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
                                            return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream)
+                                           cache_salt, rid, stream, return_routed_experts)
         events: queue.Queue[dict] = queue.Queue()
         for req in reqs:
             req.sink = events.put
@@ -138,10 +139,11 @@ class Engine(EngineClient):
                              lora_name: str | list[str] | None = None,
                              cache_salt: str | list[str] | None = None,
                              rid: str | list[str] | None = None,
-                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+                             stream: bool = False, return_routed_experts: bool = False
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
         reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
                                            return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream)
+                                           cache_salt, rid, stream, return_routed_experts)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[dict] = asyncio.Queue()
         for req in reqs:

@@ -27,10 +27,12 @@ class RequestBuilder:
     kv_tokens: Callable[[], int]  # the KV pool's size now (a TP pool may be rebuilt)
     check_servable: Callable[[], None]  # raises while the weights are incomplete or a worker died
     check_lora: Callable[[str | None], None]
+    routed_experts: bool = False  # the engine may return routed experts (an MoE model)
 
     def build(self, prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
               return_logprob: bool, top_logprobs_num: int, lora_name: Any,
-              cache_salt: Any, rid: Any, stream: bool) -> tuple[list[Req], bool]:
+              cache_salt: Any, rid: Any, stream: bool, return_routed_experts: bool = False
+              ) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs."""
         self.check_servable()
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
@@ -41,6 +43,12 @@ class RequestBuilder:
         rids = per_prompt(rid, count, "rid", str)
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
             raise ValueError("top_logprobs_num must be an integer in [0, 100]")
+        if not isinstance(return_routed_experts, bool):
+            raise ValueError("return_routed_experts must be a bool")
+        if return_routed_experts and not self.routed_experts:
+            raise ValueError("return_routed_experts needs an MoE model served with "
+                             "enable_return_routed_experts=True (server: "
+                             "--enable-return-routed-experts)")
         if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
             raise ValueError("rid values must be unique")
         reqs = []
@@ -54,7 +62,8 @@ class RequestBuilder:
                 reqs.append(Req(
                     rid=base if sp.n == 1 else f"{base}-{k}", prompt_ids=ids,
                     params=sp.for_sample(k), return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num, cache_salt=salt, lora_name=lora,
+                    top_logprobs_num=top_logprobs_num,
+                    return_routed_experts=return_routed_experts, cache_salt=salt, lora_name=lora,
                     stream=stream, group_leader=leader, created=time.perf_counter(),
                     grammar=self.grammars.for_sample(grammar_job)))
                 leader = leader or reqs[-1]

@@ -150,11 +150,11 @@ def _rows(prompt: Any, input_ids: Any, messages: Any, sampling_params: Any, lora
     return rows, single
 
 
-def _call_kwargs(rows: list[_Row], return_logprob: bool, top_logprobs_num: int) -> dict:
+def _call_kwargs(rows: list[_Row], options: dict[str, Any]) -> dict:
+    """A replica's generate arguments for `rows`; `options` are the call's per-call flags."""
     return {rows[0].kind: [r.value for r in rows], "sampling_params": [r.params for r in rows],
             "lora_name": [r.lora for r in rows], "cache_salt": [r.salt for r in rows],
-            "rid": [r.rid for r in rows], "return_logprob": return_logprob,
-            "top_logprobs_num": top_logprobs_num}
+            "rid": [r.rid for r in rows], **options}
 
 
 class RayFleet(Coordinator):
@@ -564,18 +564,21 @@ class RayFleet(Coordinator):
                  top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
                  cache_salt: str | list[str | None] | None = None,
                  rid: str | list[str | None] | None = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, return_routed_experts: bool = False
+                 ) -> dict | list[dict] | Iterator[dict]:
         """Rows with the same prompt (and all samples of a row) go to one replica; outputs
         come back in the order given. A replica that dies takes no request with it: its rows
         are sampled again from the prompt on a live replica (meta_info "resubmitted")."""
         rows, single = _rows(prompt, input_ids, messages, sampling_params, lora_name,
                              cache_salt, rid)
+        options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                   "return_routed_experts": return_routed_experts}
         if stream:
-            return self._stream(rows, return_logprob, top_logprobs_num)
-        outs = self._run(rows, return_logprob, top_logprobs_num)
+            return self._stream(rows, options)
+        outs = self._run(rows, options)
         return outs[0] if single and len(outs) == 1 else outs
 
-    def _run(self, rows: list[_Row], return_logprob: bool, top_logprobs_num: int) -> list[dict]:
+    def _run(self, rows: list[_Row], options: dict[str, Any]) -> list[dict]:
         ray = _ray()
         results: dict[int, list[dict]] = {}
         pending: dict[Any, tuple[_Replica, list[int], int]] = {}
@@ -584,8 +587,8 @@ class RayFleet(Coordinator):
         def submit(positions: list[int], tries: int, exclude: set[int]) -> None:
             for replica, part in self._assign([rows[i] for i in positions], exclude).values():
                 chosen = [positions[j] for j in part]
-                ref = replica.actor.generate.remote(_call_kwargs(
-                    [rows[i] for i in chosen], return_logprob, top_logprobs_num))
+                ref = replica.actor.generate.remote(_call_kwargs([rows[i] for i in chosen],
+                                                                 options))
                 pending[ref] = (replica, chosen, tries)
 
         submit(list(range(len(rows))), 0, set())
@@ -619,8 +622,7 @@ class RayFleet(Coordinator):
             for sample in row.sample_ids():
                 self.abort_request(sample)
 
-    def _stream(self, rows: list[_Row], return_logprob: bool, top_logprobs_num: int
-                ) -> Iterator[dict]:
+    def _stream(self, rows: list[_Row], options: dict[str, Any]) -> Iterator[dict]:
         """Every replica's events, merged as they come. A sample whose replica died starts
         again from its prompt; its next event carries meta_info "restarted": True (drop what
         it had streamed)."""
@@ -633,7 +635,7 @@ class RayFleet(Coordinator):
             restarted = {s for r in part for s in r.sample_ids()} if tries else set()
             try:
                 gen = replica.actor.generate_stream.options(num_returns="streaming").remote(
-                    _call_kwargs(part, return_logprob, top_logprobs_num))
+                    _call_kwargs(part, options))
                 for ref in gen:
                     event = ReplicaClient.get(ref)
                     sample = event["meta_info"]["id"]
@@ -685,7 +687,8 @@ class RayFleet(Coordinator):
                              lora_name: str | list[str | None] | None = None,
                              cache_salt: str | list[str | None] | None = None,
                              rid: str | list[str | None] | None = None,
-                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+                             stream: bool = False, return_routed_experts: bool = False
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
         kwargs = dict(locals())
         del kwargs["self"]
         loop = asyncio.get_running_loop()

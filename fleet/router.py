@@ -116,7 +116,8 @@ class Router(Coordinator):
                  top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
                  cache_salt: str | list[str | None] | None = None,
                  rid: str | list[str | None] | None = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, return_routed_experts: bool = False
+                 ) -> dict | list[dict] | Iterator[dict]:
         kwargs = dict(locals())
         del kwargs["self"]
         server = self.choose(affinity_key("/generate", kwargs))
@@ -144,7 +145,8 @@ class Router(Coordinator):
                              lora_name: str | list[str | None] | None = None,
                              cache_salt: str | list[str | None] | None = None,
                              rid: str | list[str | None] | None = None,
-                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+                             stream: bool = False, return_routed_experts: bool = False
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
         kwargs = dict(locals())
         del kwargs["self"]
         server = self.choose(affinity_key("/generate", kwargs))

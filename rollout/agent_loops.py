@@ -29,6 +29,7 @@ class SingleTurn:
         for k, comp in enumerate(comps):
             traj = Trajectory(prompt_ids=prompt, finish_reason=comp.finish_type,
                               group_id=group_id, sample_idx=k, row=row, text=comp.text)
-            traj.append_generated(comp.output_ids, comp.logprobs, comp.versions)
+            traj.append_generated(comp.output_ids, comp.logprobs, comp.versions,
+                                 comp.routed_experts)
             trajs.append(traj)
         return trajs

@@ -13,6 +13,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from hotswap.rollout.trajectory import extend_routes
+
 # Aborts that mean "a weight update interrupted you", not "you were cancelled".
 _RESUBMIT_MARKERS = ("generation paused",)
 
@@ -29,6 +33,8 @@ class Completion:
     resubmits: int = 0
     text: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # TokenClient(routed_experts=True): [prompt + output - 1, moe_layers, top_k], see docs/moe.md
+    routed_experts: np.ndarray | None = None
 
     @property
     def finish_type(self) -> str:
@@ -46,9 +52,10 @@ def versions_per_token(spans: list[dict], count: int) -> list[str | None]:
 
 class TokenClient:
     def __init__(self, backend: Any, sampling: dict | None = None, tokenizer: Any = None,
-                 max_resubmits: int = 16):
+                 max_resubmits: int = 16, routed_experts: bool = False):
         """backend: Engine or RemoteEngine. tokenizer: needed for text/messages rows when the
-        backend has none (a RemoteEngine): a tokenizer object or a path for AutoTokenizer."""
+        backend has none (a RemoteEngine): a tokenizer object or a path for AutoTokenizer.
+        routed_experts: ask an MoE engine for every token's experts (routing replay)."""
         if not hasattr(backend, "generate"):
             raise ValueError("backend must be an Engine or RemoteEngine (has no generate())")
         self.backend = backend
@@ -58,6 +65,7 @@ class TokenClient:
                 raise ValueError(f"sampling[{key!r}] is set per call by the rollout, not here")
         self._tokenizer = tokenizer
         self.max_resubmits = max_resubmits
+        self.routed_experts = routed_experts
         self.cancelled = threading.Event()  # set by collect()/AsyncRollout to stop resubmitting
         self.stats = {"requests": 0, "resubmits": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "completion_tokens": 0}
@@ -69,7 +77,8 @@ class TokenClient:
     def sibling(self) -> TokenClient:
         """A client on the same backend, sampling, tokenizer and stats, cancelled on its own."""
         tokenizer = self.tokenizer if isinstance(self._tokenizer, str) else self._tokenizer
-        other = TokenClient(self.backend, self.sampling, tokenizer, self.max_resubmits)
+        other = TokenClient(self.backend, self.sampling, tokenizer, self.max_resubmits,
+                            self.routed_experts)
         other.stats, other._lock = self.stats, self._lock
         return other
 
@@ -125,8 +134,9 @@ class TokenClient:
         with self._lock:
             self.inflight.update(rids)
         try:
+            extra = {"return_routed_experts": True} if self.routed_experts else {}
             outs = self.backend.generate(input_ids=prompts, sampling_params=params,
-                                         return_logprob=True, rid=rids)
+                                         return_logprob=True, rid=rids, **extra)
         finally:
             with self._lock:
                 self.inflight.difference_update(rids)
@@ -148,7 +158,8 @@ class TokenClient:
             raise RuntimeError("the engine returned no logprob for some generated token")
         return Completion(ids, logprobs, versions_per_token(meta["weight_versions"], len(ids)),
                           dict(meta["finish_reason"] or {"type": "abort"}),
-                          cached_tokens=int(meta.get("cached_tokens", 0)), text=out["text"])
+                          cached_tokens=int(meta.get("cached_tokens", 0)), text=out["text"],
+                          routed_experts=meta.get("routed_experts"))
 
     def _finish_interrupted(self, prompt: list[int], comp: Completion, params: dict
                             ) -> Completion:
@@ -162,7 +173,9 @@ class TokenClient:
                 self.stats["completion_tokens"] += len(more.output_ids)
             comp = Completion(comp.output_ids + more.output_ids, comp.logprobs + more.logprobs,
                               comp.versions + more.versions, more.finish_reason,
-                              comp.cached_tokens, comp.resubmits + 1, comp.text + more.text)
+                              comp.cached_tokens, comp.resubmits + 1, comp.text + more.text,
+                              routed_experts=extend_routes(comp.routed_experts,
+                                                           more.routed_experts))
         if self._should_resubmit(comp):  # the budget ran out exactly at the interruption
             comp.finish_reason = {"type": "length", "matched": None, "message": None}
         return comp

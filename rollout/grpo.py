@@ -15,6 +15,8 @@ while the trainer trains (AsyncRollout, staleness bounded by --max-staleness). M
 `--quantization int8` samples from an int8 engine (the trainer stays float32); `--tis C` then
 weights the loss by truncated importance sampling (rollout/importance.py): the PPO ratio is taken
 against the trainer's own logprobs and each token weighted by min(pi_trainer / pi_rollout, C).
+`--routing-replay` (MoE models, e.g. the folder examples/make_tiny_moe.py writes): the engine
+returns every token's experts and the trainer's forward routes to them (rollout/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ from hotswap.rollout.client import TokenClient
 from hotswap.rollout.collect import collect
 from hotswap.rollout.importance import MODES, importance_weights
 from hotswap.rollout.rewards import exact_match
+from hotswap.rollout.routing_replay import replay_routes
 from hotswap.rollout.tracking import Tracker, batch_metrics
 from hotswap.rollout.trajectory import RolloutBatch
 from hotswap.weight_sync.group import free_port
@@ -48,7 +51,7 @@ from hotswap.weight_sync.group import free_port
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hotswap.rollout.grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None,
+    p.add_argument("--model-path", "--model", default=None,
                    help="HF model folder (default: SmolLM2-135M-Instruct, fetched and converted)")
     p.add_argument("--steps", type=int, default=10, help="training steps (weight pushes)")
     p.add_argument("--prompts", type=int, default=8, help="groups per training batch")
@@ -91,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tis-mode", choices=MODES, default="token",
                    help="--tis: token (truncated) or sequence (drop sequences whose ratio "
                         "leaves [1/C, C])")
+    p.add_argument("--routing-replay", action="store_true",
+                   help="MoE models: the engine returns every token's experts and the "
+                        "trainer's forward routes to them (rollout/routing_replay.py)")
     args = p.parse_args(argv)
     if min(args.steps, args.prompts, args.group_size, args.max_new_tokens, args.replicas) < 1:
         raise SystemExit("--steps, --prompts, --group-size, --max-new-tokens and --replicas "
@@ -118,12 +124,21 @@ class EngineHandle:
     close: Callable[[], None]
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine keyword arguments the job's flags choose beyond dtype, seed and pool size."""
+    options: dict[str, Any] = {}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.routing_replay:
+        options["enable_return_routed_experts"] = True
+    return options
+
+
 def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int,
-                     quantization: str | None = None) -> EngineHandle:
+                     options: dict[str, Any]) -> EngineHandle:
     from hotswap.engine import Engine
 
-    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens,
-                    quantization=quantization)
+    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens, **options)
 
     def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
         reply = engine.update_weights_from_tensor(named, weight_version=version)
@@ -134,17 +149,19 @@ def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int,
 
 
 def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int,
-                         quantization: str | None = None) -> EngineHandle:
+                         options: dict[str, Any]) -> EngineHandle:
     """The engine as `python -m hotswap.engine.server` in a child process; weights over gloo."""
     from hotswap.engine import RemoteEngine
     from hotswap.weight_sync import WeightSender
 
     port, admin = free_port(), secrets.token_hex(8)
-    quant = ["--quantization", quantization] if quantization else []
+    flags = []  # the server's flags carry the Engine's argument names
+    for key, value in options.items():
+        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", path,
                              "--port", str(port), "--admin-key", admin, "--dtype", dtype,
                              "--seed", str(seed), "--max-total-tokens", str(kv_tokens),
-                             "--log-level", "warning", *quant])
+                             "--log-level", "warning", *flags])
     remote = RemoteEngine(f"http://127.0.0.1:{port}", admin_key=admin)
     _wait_healthy(remote, proc)
     sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
@@ -205,9 +222,10 @@ class Trainer:
         total = t["loss_mask"].sum().clamp(min=1)
         self.optim.zero_grad()
         sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0, "truncated": 0.0}
+        routes: dict[str, int] = {}
         for lo in range(0, len(batch), self.micro_batch):
             part = {k: v[lo: lo + self.micro_batch] for k, v in t.items()}
-            logp = response_logprobs(self.model, part, self.temperature)
+            logp = response_logprobs(self.model, part, self.temperature, routes)
             mask, behavior = part["loss_mask"], part["behavior_logprobs"]
             old, weights = behavior, mask
             if self.tis is not None:
@@ -234,16 +252,23 @@ class Trainer:
                    "train/grad_norm": grad_norm}
         if self.tis is not None:
             metrics["mismatch/tis_truncated"] = sums["truncated"] / n
+        if routes.get("replayed"):  # routing replay: how often the trainer would have differed
+            metrics["mismatch/routes_differ"] = routes["differ"] / routes["replayed"]
         return metrics
 
 
 def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
-                      temperature: float) -> torch.Tensor:
-    """log p(response token | everything before it), [rows, response length]."""
+                      temperature: float, route_stats: dict[str, int] | None = None
+                      ) -> torch.Tensor:
+    """log p(response token | everything before it), [rows, response length]; where the batch
+    carries routed experts, the forward routes every token to the engine's experts (counting
+    in `route_stats` where its own router disagreed)."""
     ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)
     attn = t["attention_mask"]
     positions = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: real tokens start at 0
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+    routes = t.get("routed_experts")
+    with replay_routes(model, routes, route_stats) if routes is not None else nullcontext():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits
     p_len, r_len = t["prompt_ids"].shape[1], t["response_ids"].shape[1]
     logits = logits[:, p_len - 1: p_len + r_len - 1].float()
     if temperature > 0:
@@ -252,7 +277,7 @@ def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
 
 
 def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: int,
-                    transport: str, quantization: str | None = None) -> EngineHandle:
+                    transport: str, options: dict[str, Any]) -> EngineHandle:
     """`replicas` engines as Ray actors (a local Ray unless one is running), one CPU each."""
     from hotswap.fleet import RayFleet
     from hotswap.weight_sync import WeightSender
@@ -260,8 +285,7 @@ def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray: 127.0.0.1
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     fleet = RayFleet(path, replicas=replicas, engine_kwargs={
-        "dtype": dtype, "seed": seed, "max_total_tokens": kv_tokens,
-        "quantization": quantization})
+        "dtype": dtype, "seed": seed, "max_total_tokens": kv_tokens, **options})
     sender = (WeightSender("127.0.0.1", free_port(), world_size=1 + fleet.weight_sync_ranks,
                            backend="gloo", bucket_bytes=32 << 20)
               if transport == "gloo" else None)
@@ -305,10 +329,10 @@ def replica_metrics(fleet: Any, before: dict[int, dict], seconds: float
 def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
     if args.fleet == "ray":
         handle = start_ray_fleet(path, args.dtype, args.seed, args.max_total_tokens,
-                                 args.replicas, args.transport, args.quantization)
+                                 args.replicas, args.transport, engine_options(args))
     else:
         start = start_server_process if args.transport == "gloo" else start_in_process
-        handle = start(path, args.dtype, args.seed, args.max_total_tokens, args.quantization)
+        handle = start(path, args.dtype, args.seed, args.max_total_tokens, engine_options(args))
     try:
         yield handle
     finally:
@@ -361,7 +385,8 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     with engine_for(args, path) as handle:
         client = TokenClient(handle.backend, tokenizer=path, sampling={
-            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens},
+            routed_experts=args.routing_replay)
         trainer = Trainer(path, args.lr, args.clip, args.temperature, args.micro_batch,
                           args.dtype, pad_id=client.tokenizer.pad_token_id or 0, tis=args.tis,
                           tis_mode=args.tis_mode)
@@ -370,6 +395,7 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         fleet = (f", {args.replicas} Ray replicas" if args.fleet == "ray" else "")
         fleet += f", {args.quantization} rollouts" if args.quantization else ""
         fleet += f", TIS C={args.tis:g} ({args.tis_mode})" if args.tis is not None else ""
+        fleet += ", routing replay" if args.routing_replay else ""
         print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}{fleet}"
               f"{', async' if args.async_mode else ''}, {args.prompts} groups x "
               f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}",

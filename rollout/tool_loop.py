@@ -139,7 +139,7 @@ class ToolLoop:
                     comp: Completion, turn: int) -> bool:
         """Append this turn; run its tool calls. True when the conversation continues."""
         tok = client.tokenizer
-        traj.append_generated(comp.output_ids, comp.logprobs, comp.versions)
+        traj.append_generated(comp.output_ids, comp.logprobs, comp.versions, comp.routed_experts)
         traj.num_turns = turn + 1
         content_ids = comp.output_ids[: len(comp.output_ids) - _closing_overlap(
             deltas, comp.output_ids)]

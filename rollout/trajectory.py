@@ -2,7 +2,8 @@
 
 Invariants kept here: response_ids, loss_mask, logprobs and versions have one entry per response
 token; a token with loss mask 0 (template, tool output) has logprob 0 and no version; the
-trajectories of a group are adjacent in a batch.
+trajectories of a group are adjacent in a batch. Routed experts (MoE routing replay) have one row
+per position of prompt + response that the engine fed, in sequence order (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+
+def extend_routes(kept: np.ndarray | None, routes: np.ndarray | None) -> np.ndarray | None:
+    """Routes of a longer request over the same tokens: the positions already recorded keep
+    the routing that produced their next token; only those past them are taken from `routes`."""
+    if kept is None or routes is None:
+        return routes if kept is None else kept
+    return np.concatenate([kept, routes[len(kept):]])
 
 
 @dataclass
@@ -30,14 +40,18 @@ class Trajectory:
     row: dict[str, Any] = field(default_factory=dict)
     text: str = ""  # the decoded response (the model's final answer for rewards to read)
     messages: list[dict[str, Any]] = field(default_factory=list)  # multi-turn loops: the chat
+    # [positions, moe_layers, top_k]: the engine's experts for prompt + response (routing replay)
+    routed_experts: np.ndarray | None = None
 
     def append_generated(self, ids: list[int], logprobs: list[float],
-                         versions: list[str | None]) -> None:
-        """The model's own tokens: trainable (mask 1) with their behaviour logprob and version."""
+                         versions: list[str | None], routes: np.ndarray | None = None) -> None:
+        """The model's own tokens: trainable (mask 1) with their behaviour logprob and version;
+        `routes`: the request's routed experts (its prompt is this trajectory so far)."""
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+        self.routed_experts = extend_routes(self.routed_experts, routes)
 
     def append_context(self, ids: list[int]) -> None:
         """Template or tool tokens: part of the sequence, never trained on."""
@@ -78,6 +92,7 @@ class RolloutBatch:
     num_turns: list[int]
     meta: dict[str, Any] = field(default_factory=dict)
     trajectories: list[Trajectory] = field(default_factory=list, repr=False)
+    routed_experts: list[np.ndarray | None] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory], advantages: list[float],
@@ -98,7 +113,8 @@ class RolloutBatch:
             rewards=[t.reward for t in ts], advantages=[float(a) for _, a in trajs],
             reward_info=[dict(t.reward_info) for t in ts], group_ids=[t.group_id for t in ts],
             sample_idx=[t.sample_idx for t in ts], finish_reason=[t.finish_reason for t in ts],
-            num_turns=[t.num_turns for t in ts], meta=dict(meta or {}), trajectories=ts)
+            num_turns=[t.num_turns for t in ts], meta=dict(meta or {}), trajectories=ts,
+            routed_experts=[t.routed_experts for t in ts])
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -111,7 +127,9 @@ class RolloutBatch:
         """Prompts left-padded, responses right-padded; `attention_mask` covers [prompt|response].
 
         `weight_versions` become ints where they parse as ints (else their rank among the batch's
-        versions), -1 where no version (masked or padding).
+        versions), -1 where no version (masked or padding). With routed experts: `routed_experts`
+        [rows, prompt + response columns, moe_layers, top_k], aligned with [prompt|response],
+        -1 where none was recorded (padding, the last token), as replay_routes takes them.
         """
         n = len(self)
         p_len = max((len(p) for p in self.prompt_ids), default=0)
@@ -136,7 +154,7 @@ class RolloutBatch:
                 logp[i, :len(r)] = torch.tensor(self.behavior_logprobs[i])
                 vers[i, :len(r)] = torch.tensor([codes.get(v, -1) for v in
                                                  self.weight_versions[i]])
-        return {
+        out = {
             "prompt_ids": prompt, "response_ids": resp, "loss_mask": loss,
             "behavior_logprobs": logp, "weight_versions": vers,
             "attention_mask": torch.cat([prompt_mask, resp_mask], dim=1),
@@ -146,6 +164,21 @@ class RolloutBatch:
             "sample_idx": torch.tensor(self.sample_idx, dtype=torch.long),
             "num_turns": torch.tensor(self.num_turns, dtype=torch.long),
         }
+        if any(r is not None for r in self.routed_experts):
+            out["routed_experts"] = self._routes_tensor(p_len, r_len)
+        return out
+
+    def _routes_tensor(self, p_len: int, r_len: int) -> torch.Tensor:
+        shape = next(r.shape[1:] for r in self.routed_experts if r is not None)
+        routes = torch.full((len(self), p_len + r_len, *shape), -1, dtype=torch.int16)
+        for i, r in enumerate(self.routed_experts):
+            if r is None:
+                continue
+            start = p_len - len(self.prompt_ids[i])  # the row's first token's column
+            count = min(len(r), p_len + r_len - start)
+            routes[i, start: start + count] = torch.from_numpy(np.asarray(r[:count],
+                                                                          dtype=np.int16))
+        return routes
 
 
 def _version_codes(versions: list[list[str | None]]) -> dict[str | None, int]:

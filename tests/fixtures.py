@@ -19,7 +19,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import httpx
+import torch
+import transformers
 from conftest import write_tiny_model
+from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     from hotswap.engine import Engine
@@ -216,3 +219,39 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+# Mixture-of-experts checkpoints (tests/engine/models/test_moe.py, test_routed_experts.py).
+
+def hf_moe_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
+    common = dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=2,
+                  bos_token_id=1, tie_word_embeddings=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=32, num_hidden_layers=2,
+                                          num_local_experts=6)
+    # Layer 1 dense (mlp_only_layers), norm_topk_prob on: both paths of the Qwen3-MoE config.
+    return transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                       num_hidden_layers=3, num_experts=8, head_dim=16,
+                                       norm_topk_prob=True, mlp_only_layers=[1])
+
+
+def write_moe(path: str, arch: str, seed: int, stacked: bool = False) -> str:
+    """A random tiny MoE with a trained tokenizer: per-expert tensors as save_pretrained writes
+    them, or (stacked) transformers 5's named_parameters ([E, 2I, H] / [E, H, I])."""
+    vocab = write_tokenizer(path)
+    cfg = hf_moe_config(arch, vocab)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights: logits and routes with real spread
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    if not stacked:
+        model.save_pretrained(path)
+        return path
+    cfg.architectures = [type(model).__name__]
+    cfg.save_pretrained(path)
+    save_file({n: t.contiguous() for n, t in model.state_dict().items()},
+              os.path.join(path, "model.safetensors"))
+    return path

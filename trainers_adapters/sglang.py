@@ -62,7 +62,7 @@ class Engine:
                  token_ids_logprob: Any = None, lora_path: str | list[str] | None = None,
                  custom_logit_processor: Any = None, return_hidden_states: bool = False,
                  stream: bool = False, rid: str | list[str] | None = None,
-                 **unsupported: Any) -> dict | list[dict]:
+                 return_routed_experts: bool = False, **unsupported: Any) -> dict | list[dict]:
         kwargs, no_stop_trim = self._kwargs(locals())
         if stream:
             return (_shape(o, no_stop_trim) for o in self.engine.generate(**kwargs))
@@ -78,6 +78,7 @@ class Engine:
                              custom_logit_processor: Any = None,
                              return_hidden_states: bool = False, stream: bool = False,
                              rid: str | list[str] | None = None,
+                             return_routed_experts: bool = False,
                              **unsupported: Any) -> dict | list[dict]:
         kwargs, no_stop_trim = self._kwargs(locals())
         if stream:
@@ -102,7 +103,8 @@ class Engine:
         kwargs = dict(prompt=args["prompt"], sampling_params=params, input_ids=args["input_ids"],
                       return_logprob=bool(return_logprob),
                       top_logprobs_num=args["top_logprobs_num"] or 0,
-                      lora_name=args["lora_path"], rid=args["rid"], stream=args["stream"])
+                      lora_name=args["lora_path"], rid=args["rid"], stream=args["stream"],
+                      return_routed_experts=args["return_routed_experts"])
         return kwargs, no_stop_trim
 
     # weights

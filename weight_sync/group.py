@@ -119,8 +119,13 @@ class WeightGroup:
             if _GROUPS.get((self.name, self.rank)) is self:
                 del _GROUPS[(self.name, self.rank)]
         pg, self._pg = self._pg, None
-        if pg is not None and self.backend == "nccl":
-            pg.abort()
+        if pg is not None:
+            # Stop the backend's threads now, in this thread: left to the last reference (a
+            # work handle, the interpreter's teardown) they may be destroyed still running.
+            if self.backend == "nccl":
+                pg.abort()
+            else:
+                pg.shutdown()
         self._store = None
 
 

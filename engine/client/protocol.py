@@ -12,9 +12,12 @@ engine, so the scheduler, the weight manager and the server can all read the rul
 
 from __future__ import annotations
 
+import base64
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+import numpy as np
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Where a distributed update lands: "standby" beside the live weights (refused before any write),
@@ -89,16 +92,19 @@ class EngineClient(ABC):
                  input_ids: TokenIds = None, *, messages: list | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0,
                  lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
-                 rid: PerPrompt = None, stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 rid: PerPrompt = None, stream: bool = False,
+                 return_routed_experts: bool = False) -> dict | list[dict] | Iterator[dict]:
         """One output per (prompt, sample), in the order given; a dict for one prompt with n=1.
-        The first three are positional in SGLang's order, the rest keyword-only."""
+        The first three are positional in SGLang's order, the rest keyword-only.
+        return_routed_experts (MoE models): meta_info["routed_experts"], see docs/moe.md."""
 
     @abstractmethod
     async def async_generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
                              input_ids: TokenIds = None, *, messages: list | None = None,
                              return_logprob: bool = False, top_logprobs_num: int = 0,
                              lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
-                             rid: PerPrompt = None, stream: bool = False
+                             rid: PerPrompt = None, stream: bool = False,
+                             return_routed_experts: bool = False
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True an async iterator of incremental outputs."""
 
@@ -253,6 +259,29 @@ class EngineClient(ABC):
     @abstractmethod
     def list_lora_adapters(self) -> dict[str, int]:
         """Loaded adapters and their versions."""
+
+
+def routes_to_json(routes: np.ndarray) -> dict[str, Any]:
+    """meta_info["routed_experts"] over HTTP: the array's little-endian bytes in base64."""
+    dtype = routes.dtype.newbyteorder("<")
+    return {"dtype": dtype.name, "shape": list(routes.shape),
+            "data": base64.b64encode(routes.astype(dtype, copy=False).tobytes()).decode()}
+
+
+def routes_from_json(obj: dict[str, Any]) -> np.ndarray:
+    dtype = np.dtype(obj["dtype"])
+    data = np.frombuffer(base64.b64decode(obj["data"]), dtype=dtype.newbyteorder("<"))
+    return data.reshape(obj["shape"]).astype(dtype)
+
+
+def decode_outputs(outputs: Any) -> Any:
+    """A client's view of /generate outputs (a dict or a list of them): routed experts decoded
+    back to the arrays an in-process engine returns."""
+    for out in outputs if isinstance(outputs, list) else [outputs]:
+        meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+        if isinstance(meta.get("routed_experts"), dict):
+            meta["routed_experts"] = routes_from_json(meta["routed_experts"])
+    return outputs
 
 
 def interface_methods() -> frozenset[str]:

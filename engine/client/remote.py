@@ -16,12 +16,13 @@ from typing import Any
 
 import httpx
 
-from hotswap.engine.client.protocol import EngineClient
+from hotswap.engine.client.protocol import EngineClient, decode_outputs
 from hotswap.engine.errors import RemoteEngineError, WeightsIncompleteError
 from hotswap.weight_sync.serialize import serialize_named_tensors
 
 _GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
-                    "top_logprobs_num", "lora_name", "cache_salt", "rid")
+                    "top_logprobs_num", "lora_name", "cache_salt", "rid",
+                    "return_routed_experts")
 
 
 class RemoteEngine(EngineClient):
@@ -66,11 +67,12 @@ class RemoteEngine(EngineClient):
                  return_logprob: bool = False,
                  top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, return_routed_experts: bool = False
+                 ) -> dict | list[dict] | Iterator[dict]:
         body = _generate_body(locals())
         if stream:
             return self._stream(body)
-        return self._call("POST", "/generate", body)
+        return decode_outputs(self._call("POST", "/generate", body))
 
     def _stream(self, body: dict[str, Any]) -> Iterator[dict]:
         with self._client.stream("POST", "/generate", json={**body, "stream": True},
@@ -82,7 +84,7 @@ class RemoteEngine(EngineClient):
                 if event is _DONE:
                     return
                 if event is not None:
-                    yield event
+                    yield decode_outputs(event)
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict | list[dict] | None = None,
@@ -92,14 +94,15 @@ class RemoteEngine(EngineClient):
                              lora_name: str | list[str] | None = None,
                              cache_salt: str | list[str] | None = None,
                              rid: str | list[str] | None = None,
-                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+                             stream: bool = False, return_routed_experts: bool = False
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
         body = _generate_body(locals())
         if stream:
             return self._astream(body)
         response = await self._async_client().post("/generate", json=body,
                                                     headers=self._headers(False))
         _raise_for_error(response.status_code, response.content)
-        return response.json()
+        return decode_outputs(response.json())
 
     async def _astream(self, body: dict[str, Any]) -> AsyncIterator[dict]:
         client = self._async_client()
@@ -112,7 +115,7 @@ class RemoteEngine(EngineClient):
                 if event is _DONE:
                     return
                 if event is not None:
-                    yield event
+                    yield decode_outputs(event)
 
     def _async_client(self) -> httpx.AsyncClient:
         # An AsyncClient belongs to the loop it first ran on.
@@ -294,7 +297,8 @@ def _sse_event(line: str) -> Any:
 
 def _generate_body(args: dict[str, Any]) -> dict[str, Any]:
     body = {k: args[k] for k in _GENERATE_FIELDS if args[k] is not None}
-    for flag, default in (("return_logprob", False), ("top_logprobs_num", 0)):
+    for flag, default in (("return_logprob", False), ("top_logprobs_num", 0),
+                          ("return_routed_experts", False)):
         if body.get(flag) == default:
             del body[flag]
     return body

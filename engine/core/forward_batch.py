@@ -45,6 +45,9 @@ class ForwardBatch:
     rope: Any = field(default=None, repr=False)  # (cos, sin) of the positions, set by the model
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
     lora: Any = field(default=None, repr=False)  # LoRABatch when some row uses an adapter
+    # [T, moe_layers, top_k]: the MoE layers write each token's experts here when the pool
+    # keeps routing (enable_return_routed_experts); set by the ModelRunner
+    routes: Any = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -74,6 +74,7 @@ class Req:
     params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
     cache_salt: str | None = None
     lora_name: str | None = None
     stream: bool = False
@@ -91,6 +92,10 @@ class Req:
     cached_tokens: int = 0
     cached_from_host: int = 0  # of cached_tokens, copied back from the HiCache host tier
     cached_from_storage: int = 0  # ... and read from the HiCache storage tier
+    # return_routed_experts: [positions, moe_layers, top_k] int16, the routing of every token
+    # fed so far; kept from before a retraction (the positions then computed), completed from
+    # the KV pool when the request finishes
+    routed_experts: torch.Tensor | None = None
 
     # KV state, owned by the scheduler
     namespace: Namespace | None = None

@@ -52,9 +52,11 @@ class ModelRunner:
         num_pages = self._num_kv_tokens() // page_size
         if num_pages < 2:
             raise ValueError("max_total_tokens leaves fewer than two KV pages")
+        route_shape = ((model_config.num_moe_layers, model_config.num_experts_per_tok)
+                       if config.enable_return_routed_experts else None)
         self.kv_pool = KVPool(num_pages, page_size, model_config.num_layers,
                               model_config.num_kv_heads, model_config.head_dim, self.dtype,
-                              self.device)
+                              self.device, route_shape)
         self.allocator = TokenToKVPoolAllocator(num_pages, page_size)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 1,
                                                 config.context_length + 1, self.device)
@@ -148,4 +150,11 @@ class ModelRunner:
         self._refresh_packs()
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb)
+        pool = self.kv_pool
+        if pool.routes is None:
+            return self.model(fb)
+        fb.routes = torch.empty((fb.num_tokens, *pool.route_shape), dtype=pool.routes.dtype,
+                                device=self.device)
+        logits = self.model(fb)
+        pool.routes.index_copy_(0, fb.out_cache_loc.to(self.device), fb.routes)
+        return logits

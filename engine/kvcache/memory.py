@@ -10,10 +10,15 @@ import torch
 
 
 class KVPool:
-    """K and V buffers for every layer, indexed by token slot."""
+    """K and V buffers for every layer, indexed by token slot; with `route_shape` (MoE layers,
+    top_k) also each slot's routing: the experts its token went to in every MoE layer, kept
+    with the KV so that a cached prefix reports the routing that computed it."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 route_shape: tuple[int, int] | None = None):
+        self.route_shape = route_shape
+        self.routes: torch.Tensor | None = None  # [slots, moe_layers, top_k] int16
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -38,9 +43,12 @@ class KVPool:
                           for _ in range(self.num_layers)]
         for buf in self.k_buffers + self.v_buffers:
             buf[: self.page_size].zero_()
+        if self.route_shape is not None:
+            self.routes = torch.full((self.num_slots, *self.route_shape), -1, dtype=torch.int16,
+                                     device=self.device)
 
     def release(self) -> None:
-        self.k_buffers, self.v_buffers = [], []
+        self.k_buffers, self.v_buffers, self.routes = [], [], None
 
     @property
     def allocated(self) -> bool:
@@ -50,6 +58,11 @@ class KVPool:
         shape = (-1, self.num_kv_heads, self.head_dim)
         self.k_buffers[layer_id].index_copy_(0, loc, k.reshape(shape))
         self.v_buffers[layer_id].index_copy_(0, loc, v.reshape(shape))
+
+    def read_routes(self, slots: torch.Tensor) -> torch.Tensor:
+        """The routing kept at `slots`: [len(slots), moe_layers, top_k] int16, on the CPU."""
+        assert self.routes is not None
+        return self.routes.index_select(0, slots.to(self.device)).cpu()
 
 
 class TokenToKVPoolAllocator:

@@ -2,7 +2,7 @@
 attention (attention.cpp), in-place rotary (rope.cpp), RMSNorm (norm.cpp), SiLU-and-multiply
 (activation.cpp), a small-batch matmul over bf16 weights (small_linear.cpp), the float32 lm_head
 of a bf16 model as AMX matmuls of an exact split (head.cpp), int8 matmuls (quant.cpp), sampling
-(sampling.cpp), and every
+(sampling.cpp), a mixture-of-experts layer's experts (moe.cpp), and every
 decoder layer of a decode-only step in one call (decode_layer.cpp); bindings.cpp registers them
 as torch.ops.hotswap.*.
 
@@ -125,6 +125,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
     return torch.ops.hotswap.silu_and_mul(x)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                packed13: list[torch.Tensor], packed2: list[torch.Tensor], topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, small_rows: int) -> torch.Tensor:
+    """layers/moe.py's grouped_experts in one call, the experts spread over the threads."""
+    return torch.ops.hotswap.moe_experts(x, w13, w2, packed13, packed2, topk_ids, topk_weights,
+                                         small_rows)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
-from hotswap.engine.layers.linear import linear, pack
+from hotswap.engine.layers.linear import SMALL_ROWS, linear, pack
 
 
 class Routing(NamedTuple):
@@ -62,6 +63,22 @@ class ExpertPacks(NamedTuple):
     w2: list[torch.Tensor]
 
 
+# A bf16 expert of at most this many rows takes the small-batch kernel (layers/linear.py's
+# SMALL path): the experts of a step run one per thread, where it streams an expert's weights
+# faster than oneDNN up to ~32-48 rows (AVX512-BF16 EPYC, bench/moe.py's shapes; without
+# AVX512-BF16 unmeasured, so the dense threshold).
+EXPERT_SMALL_ROWS = 32 if "avx512_bf16" in read_cpu_flags() else SMALL_ROWS
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """linear(), with the small-batch kernel up to EXPERT_SMALL_ROWS rows of a bf16 expert."""
+    if (len(x) <= EXPERT_SMALL_ROWS and x.dtype == weight.dtype == torch.bfloat16
+            and cpu_kernels.applies(x)):
+        return cpu_kernels.small_linear(x, weight)
+    return linear(x, weight, packed=packed)
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing,
                     packs: ExpertPacks | None = None) -> torch.Tensor:
     """sum over k of weight * down(silu(gate(x)) * up(x)) per token, one matmul pair per expert
@@ -78,19 +95,25 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
     out = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
     for e, n, end in zip(active.tolist(), counts[active].tolist(), ends.tolist(), strict=True):
         p13, p2 = (None, None) if packs is None else (packs.w13[e], packs.w2[e])
-        h = silu_and_mul(linear(xs[end - n: end], w13[e], packed=p13))
-        out[end - n: end] = linear(h, w2[e], packed=p2)
+        h = silu_and_mul(expert_linear(xs[end - n: end], w13[e], p13))
+        out[end - n: end] = expert_linear(h, w2[e], p2)
     out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing,
                   packs: ExpertPacks | None = None) -> torch.Tensor:
-    """The experts' weighted sum per token: the Triton grouped GEMM on CUDA, else torch."""
+    """The experts' weighted sum per token: the Triton grouped GEMM on CUDA, the C++ kernel on
+    CPU for inference (grouped_experts' ops, called without Python between them and the experts
+    spread over the threads), else torch."""
     if x.is_cuda:
         from hotswap.engine.layers import moe_triton
 
         return moe_triton.fused_experts(x, w13, w2, *routing)
+    if cpu_kernels.applies(x) and x.dtype == w13.dtype and not torch.is_grad_enabled():
+        packed13, packed2 = ([], []) if packs is None else packs
+        return cpu_kernels.moe_experts(x, w13, w2, packed13, packed2, routing.topk_ids,
+                                       routing.topk_weights, EXPERT_SMALL_ROWS)
     return grouped_experts(x, w13, w2, routing, packs)
 
 

@@ -41,6 +41,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
+        self.moe_index = sum(cfg.is_moe_layer(i) for i in range(layer_id))  # in routes' layout
         self.mixtral = cfg.architecture == MIXTRAL
         self.experts = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                 cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
@@ -49,8 +50,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """(residual +) moe(x)."""
-        out = self.experts(x).hidden
+        """(residual +) moe(x); each token's experts go to fb.routes when it is set."""
+        moe = self.experts(x)
+        if fb is not None and fb.routes is not None:
+            fb.routes[:, self.moe_index] = moe.topk_ids
+        out = moe.hidden
         if self.all_reduce is not None:
             out = out.contiguous()
             self.all_reduce(out)

@@ -125,6 +125,9 @@ class OutputProcessor:
             meta["output_token_logprobs"] = [[lp, t] for lp, t in zip(logprobs, ids)]
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = list(tops)
+        if req.return_routed_experts and req.finish_reason is not None:
+            meta["routed_experts"] = (None if req.routed_experts is None
+                                      else req.routed_experts.numpy())
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 

@@ -236,6 +236,7 @@ class Scheduler(SchedulerControl):
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
+        self._keep_routes(req)
         self.kv.release(req)
         self.waiting[:0] = self.forks.pop(req.rid, [])  # the leader is gone: prefill normally
         self.outputs.emit(req)
@@ -254,12 +255,25 @@ class Scheduler(SchedulerControl):
     def retract(self, req: Req) -> None:
         """Drop `req`'s KV and queue it (first) to be recomputed from prompt + output so far."""
         self.running.remove(req)
+        self._keep_routes(req)
         self.kv.release(req)
         req.prefill_done = False
         req.num_retractions += 1
         if req.grammar is not None:  # recomputed from every kept token: the matcher agrees
             req.grammar.sync(len(req.output_ids))
         self.waiting.insert(0, req)
+
+    def _keep_routes(self, req: Req) -> None:
+        """Before `req`'s KV goes: the routing of its positions (return_routed_experts). What
+        was kept before a retraction stays: it produced the tokens sampled then; recomputed
+        positions (under newer weights) add only what lies past it."""
+        pool = self.runner.kv_pool
+        if not req.return_routed_experts or req.req_pool_idx is None or pool.routes is None:
+            return
+        kept = req.routed_experts
+        start = 0 if kept is None else len(kept)
+        new = pool.read_routes(req.kv_slots[start:])
+        req.routed_experts = new if kept is None else torch.cat((kept, new))
 
     def retract_all(self) -> None:
         for req in sorted(self.running, key=lambda r: -r.admit_seq):

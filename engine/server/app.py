@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer keeps sending full-precision weights, re-quantized per update")
     e.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization int8: the lm_head too (faster, larger logprob error)")
+    e.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: requests may ask for the experts each token was routed "
+                        "to (return_routed_experts; base64 arrays in meta_info)")
     add_hicache_args(p)
     return p
 
@@ -318,7 +321,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 hicache_ratio=args.hicache_ratio, hicache_host_tokens=args.hicache_host_tokens,
                 hicache_storage_dir=args.hicache_storage_dir,
                 hicache_write_policy=args.hicache_write_policy,
-                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                enable_return_routed_experts=args.enable_return_routed_experts)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:

@@ -158,6 +158,7 @@ class GenerateRequest(Body):
     cache_salt: str | list[str | None] | None = None
     rid: str | list[str | None] | None = None
     stream: bool = False
+    return_routed_experts: bool = False
     # SGLang's names and fields (translated or refused in sglang_compat.py).
     text: str | list[str] | None = None
     image_data: Any = None

@@ -12,10 +12,12 @@ from functools import lru_cache
 from typing import Annotated, Any
 
 import anyio
+import numpy as np
 from fastapi import Depends, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hotswap.engine.client.protocol import routes_to_json
 from hotswap.engine.server.metrics import ServerMetrics
 from hotswap.engine.server.openai_api import Formatter
 
@@ -47,10 +49,19 @@ def dumps(obj: Any) -> bytes:
     """One line of JSON, UTF-8: non-finite floats (a -inf logprob) replaced, since JSON has no
     infinity, and Unicode line separators escaped."""
     try:
-        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_array)
     except ValueError:
-        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"))
+        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"),
+                          default=_array)
     return text.translate(_LINE_BREAKS).encode("utf-8", "replace")
+
+
+def _array(obj: Any) -> Any:
+    """Arrays in outputs (meta_info["routed_experts"]) go as base64 of their bytes."""
+    if isinstance(obj, np.ndarray):
+        return routes_to_json(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 def _finite(obj: Any) -> Any:

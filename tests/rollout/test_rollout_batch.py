@@ -145,3 +145,26 @@ def test_async_group_dict_timeout_and_error_rewards():
     one = [Trajectory(prompt_ids=[1])]
     score_group(one, broken)
     assert "KeyError" in one[0].reward_info["error"]
+
+
+def test_routed_experts_line_up_with_prompt_and_response_columns():
+    """Routes have one row per fed position; to_tensors puts row q of a sequence under its q-th
+    token (prompts left-padded) and -1 where nothing was recorded. A longer request over the
+    same tokens (a resubmission, the next turn) only adds the positions past those recorded."""
+    import numpy as np
+
+    def routes(start: int, count: int) -> np.ndarray:
+        return np.arange(start, start + 2 * count, dtype=np.int16).reshape(count, 1, 2)
+
+    a = Trajectory(prompt_ids=[5, 6, 7], group_id=0)
+    a.append_generated([10, 11], [-0.5, -0.5], ["0", "0"], routes(0, 4))  # 3 + 2 - 1 rows
+    a.append_generated([12], [-0.5], ["1"], routes(100, 5))  # the resubmission's last row only
+    b = Trajectory(prompt_ids=[5], group_id=1)
+    b.append_generated([20], [-0.5], ["0"])  # no routes asked for
+    batch = RolloutBatch.from_trajectories([a, b], [0.0, 0.0])
+    t = batch.to_tensors(pad_id=0)
+    r = t["routed_experts"]
+    assert r.shape == (2, 3 + 3, 1, 2) and r.dtype == torch.int16
+    assert r[0, :, 0, 0].tolist() == [0, 2, 4, 6, 108, -1]  # the last token was never fed
+    assert (r[1] == -1).all()
+    assert "routed_experts" not in RolloutBatch.from_trajectories([b], [0.0]).to_tensors(0)

@@ -100,7 +100,8 @@ def test_help_documents_every_option(capsys):
         parse_args(["--help"])
     text = capsys.readouterr().out
     for option in ("--steps", "--transport", "--async", "--max-staleness", "--wandb-dir",
-                   "--group-size", "--lr", "--filter", "--quantization", "--tis"):
+                   "--group-size", "--lr", "--filter", "--quantization", "--tis",
+                   "--routing-replay", "--model"):
         assert option in text
 
 
@@ -136,3 +137,27 @@ def test_the_job_on_a_ray_fleet_of_two_replicas(model_path, tmp_path, transport)
         cells = h["fleet/replicas"].split(" | ")
         assert len(cells) == 2 and all(f" v{step + 1} s" in c for c in cells), cells
     assert sum(h["replica/0/requests"] + h["replica/1/requests"] for h in history) == 16
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_routing_replay_on_the_tiny_moe_the_repository_writes(tmp_path):
+    """examples/make_tiny_moe.py's folder, --routing-replay: the engine's routes replayed in the
+    trainer's forward (same weights, fp32), so the rollout-vs-trainer gap stays at fp32 noise."""
+    import subprocess
+    import sys
+
+    from fixtures import TESTS_DIR
+
+    folder = str(tmp_path / "tiny-moe")
+    script = os.path.join(TESTS_DIR, "..", "examples", "make_tiny_moe.py")
+    subprocess.run([sys.executable, script, "--out", folder], check=True)
+    args = parse_args(["--model", folder, "--routing-replay", "--steps", "3", "--prompts", "2",
+                       "--group-size", "4", "--over-sample", "0", "--max-new-tokens", "8",
+                       "--filter", "none", "--lr", "1e-3", "--wandb-dir", str(tmp_path),
+                       "--quiet"])
+    history = run(args, reward=varied_reward)["history"]
+    assert [h["weight_version"] for h in history] == [0, 1, 2]
+    for h in history:
+        assert h["mismatch/abs_diff"] < 1e-4
+        assert 0 <= h["mismatch/routes_differ"] < 0.05

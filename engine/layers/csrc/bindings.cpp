@@ -23,6 +23,8 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual, "
         "int block) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor[] packed13, Tensor[] packed2, "
+        "Tensor topk_ids, Tensor topk_weights, int small_rows) -> Tensor");
   m.def("head_amx() -> bool");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
@@ -38,8 +40,14 @@ TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("sample_rows", &hotswap::sample_rows);
   m.impl("quantize_rows", &hotswap::quantize_rows);
   m.impl("int8_linear", &hotswap::int8_linear);
+  m.impl("moe_experts", &hotswap::moe_experts);
   m.impl("head_pack", &hotswap::head_pack);
   m.impl("head_logits", &hotswap::head_logits);
+}
+
+// The experts' packed weights are oneDNN tensors: their key picks the kernel as well.
+TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) {
+  m.impl("moe_experts", &hotswap::moe_experts);
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CompositeExplicitAutograd, m) {

@@ -22,13 +22,14 @@ auto scoped(const char* name, F f) {
   return f();
 }
 
-// x [m, k] @ w.T (+ bias) (+ residual) exactly as layers/linear.py's linear() computes it on
-// `path`: the small-batch kernel (w plain bf16, a few rows; the residual joins its float32
-// sums), the int8 matmul (w int8 with its `scale`; the residual joins its rescaling), else
-// oneDNN's matmul (w packed or plain) or at::linear, then the add.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                  const at::Tensor* residual, int64_t path,
-                  const std::optional<at::Tensor>& scale = std::nullopt) {
+}  // namespace
+
+// The small-batch kernel (w plain bf16, a few rows; the residual joins its float32 sums), the
+// int8 matmul (w int8 with its `scale`; the residual joins its rescaling), else oneDNN's matmul
+// (w packed or plain) or at::linear, then the add.
+at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                       const at::Tensor* residual, int64_t path,
+                       const std::optional<at::Tensor>& scale) {
   if (path == PATH_INT8)
     return scoped("hotswap::int8_linear", [&] {
       return int8_linear(x, w, *scale, b,
@@ -37,7 +38,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     });
   if (path == PATH_SMALL)
     return scoped("hotswap::small_linear", [&] {
-      return small_linear(x, w, b, residual ? std::optional<at::Tensor>(*residual) : std::nullopt);
+      return small_linear(x, w, b,
+                          residual ? std::optional<at::Tensor>(*residual) : std::nullopt);
     });
   at::Tensor out;
   if (path == PATH_ONEDNN) {
@@ -53,6 +55,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
   return residual ? out.add_(*residual) : out;
 }
+
+namespace {
 
 // What every layer of one step reads besides its weights and its KV buffers.
 struct Step {
@@ -78,7 +82,7 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight, const at::Tensor* r) {
     return scoped("hotswap::rms_norm", [&] { return rms_norm_impl(t, weight, stack.eps, r); });
   };
-  auto qkv = linear(norm(x, w.input_norm, pending), w.qkv, w.qkv_bias, nullptr, path,
+  auto qkv = path_linear(norm(x, w.input_norm, pending), w.qkv, w.qkv_bias, nullptr, path,
                     w.qkv_scale);
   scoped("hotswap::rotary_", [&] {
     return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, heads + hkv, d}), step.cos,
@@ -89,11 +93,11 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
     return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, step.req_to_token,
                             step.req_idx, step.seq_lens, step.scale);
   });
-  auto h = linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_scale);
-  auto gate_up = linear(norm(h, w.post_norm, small ? nullptr : &x), w.gate_up, std::nullopt,
+  auto h = path_linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_scale);
+  auto gate_up = path_linear(norm(h, w.post_norm, small ? nullptr : &x), w.gate_up, std::nullopt,
                         nullptr, path, w.gate_up_scale);
   gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
-  auto out = linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path, w.down_scale);
+  auto out = path_linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path, w.down_scale);
   return {out, small ? at::Tensor() : h};
 }
 

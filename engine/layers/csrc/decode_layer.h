@@ -10,10 +10,9 @@
 #include <optional>
 #include <vector>
 
-namespace hotswap {
+#include "ops.h"
 
-// How a fused layer multiplies: layers/linear.py's ATEN, ONEDNN, SMALL and INT8, which pick it.
-constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3;
+namespace hotswap {
 
 // One decoder layer's weights as linear() multiplies them on the stack's path (the packed copy
 // where there is one, except on PATH_SMALL; on PATH_INT8 the int8 weights and their scales).

@@ -31,6 +31,17 @@ bool head_amx();
 at::Tensor head_pack(const at::Tensor& w);
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                        const at::Tensor& packed, int64_t vocab);
+// How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL and INT8, which pick it.
+constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3;
+// x [m, k] @ w.T (+ b) (+ residual) exactly as layers/linear.py's linear() computes it on
+// `path` (decode_layer.cpp).
+at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                       const at::Tensor* residual, int64_t path,
+                       const std::optional<at::Tensor>& scale = std::nullopt);
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                       at::TensorList packed13,
+                       at::TensorList packed2, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights, int64_t small_rows);
 // The Hadamard block of an int8 linear with k inputs (layers/quant.py's hadamard_block): the
 // largest power of two dividing k, at most 64.
 inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 64); }

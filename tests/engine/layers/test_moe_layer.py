@@ -1,6 +1,6 @@
 """The MoE layer: routing equals HF's routers, the grouped experts equal a per-token reference and
-HF's sparse blocks, replayed ids reproduce the output, and the Triton kernel (under the
-interpreter without CUDA) equals the torch path."""
+HF's sparse blocks, the C++ kernel gives the torch path's bits, replayed ids reproduce the output,
+and the Triton kernel (under the interpreter without CUDA) equals the torch path."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import torch
 import transformers
 
 # Without CUDA the kernels run under Triton's interpreter: conftest.py sets TRITON_INTERPRET.
-from hotswap.engine.layers import moe_triton
-from hotswap.engine.layers.moe import FusedMoE, Routing, grouped_experts, select_experts
+from hotswap.engine.layers import cpu_kernels, moe_triton
+from hotswap.engine.layers.linear import pack
+from hotswap.engine.layers.moe import (
+    ExpertPacks,
+    FusedMoE,
+    Routing,
+    fused_experts,
+    grouped_experts,
+    select_experts,
+)
 
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 9, 32, 16, 6, 2
 
@@ -44,6 +52,22 @@ def test_grouped_experts_equal_a_per_token_reference(dtype, tol, tokens, top_k):
     assert got.dtype == dtype and got.shape == x.shape
     want = naive(x, w13, w2, routing)
     assert torch.allclose(got.float(), want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("tokens,top_k", [(64, 2), (TOKENS, TOP_K), (1, 4), (3, 1)])
+def test_the_cpu_kernel_gives_the_torch_paths_bits(dtype, packed, tokens, top_k):
+    """Same ops, same paths (the small-batch kernel for a bf16 expert of a few rows, oneDNN
+    packed or plain otherwise), so the same bits; Mixtral's float32 weights too."""
+    x, w13, w2, routing = random_case(dtype, tokens=tokens, top_k=top_k)
+    packs = ExpertPacks([pack(w) for w in w13], [pack(w) for w in w2]) if packed else None
+    for weights_dtype in (dtype, torch.float32):
+        routed = Routing(routing.topk_ids, routing.topk_weights.to(weights_dtype))
+        want = grouped_experts(x, w13, w2, routed, packs)
+        with torch.inference_mode():
+            assert torch.equal(fused_experts(x, w13, w2, routed, packs), want)
 
 
 def test_idle_experts_are_never_multiplied(monkeypatch):

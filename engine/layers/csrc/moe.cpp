@@ -1,0 +1,102 @@
+// The experts of a mixture-of-experts layer in one call (layers/moe.py's grouped_experts):
+// the (token, slot) pairs grouped by expert, each expert that got tokens running its gate/up
+// matmul, SiLU-and-multiply and down matmul over its rows, the experts spread over the threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "ops.h"
+
+namespace hotswap {
+
+// x [T, H]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; packed13 / packed2: each
+// expert's oneDNN-packed weights, or empty; topk_ids [T, K] int64; topk_weights [T, K]. Returns
+// sum over k of weight * down(silu(gate(x)) * up(x)) per token, with every op as grouped_experts
+// runs it (so the same bits): each expert's matmuls on expert_linear()'s path for its row count
+// (PATH_SMALL for a bf16 expert of at most `small_rows` rows), the weight applied in its dtype
+// and cast to x's, and each token's k outputs summed in ascending expert order.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                       at::TensorList packed13,
+                       at::TensorList packed2, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights, int64_t small_rows) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2,
+              "moe_experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.size(0) == x.size(0),
+              "moe_experts: topk_ids must be int64 [T, K]");
+  const int64_t num_experts = w13.size(0), top_k = topk_ids.size(1);
+  const int64_t slots = x.size(0) * top_k;
+  const bool packed = !packed13.empty();
+  TORCH_CHECK(!packed || (static_cast<int64_t>(packed13.size()) == num_experts &&
+                          static_cast<int64_t>(packed2.size()) == num_experts),
+              "moe_experts: one packed weight per expert");
+  // A stable counting sort of the slots by expert: torch.argsort(stable=True)'s order.
+  const auto ids = topk_ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t s = 0; s < slots; ++s) {
+    TORCH_CHECK(id[s] >= 0 && id[s] < num_experts, "moe_experts: expert id ", id[s],
+                " outside [0, ", num_experts, ")");
+    ++start[id[s] + 1];
+  }
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> order(slots), fill(start.begin(), start.end() - 1);
+  for (int64_t s = 0; s < slots; ++s) order[fill[id[s]]++] = s;
+  auto order_t = at::empty({slots}, topk_ids.options());
+  auto token_t = at::empty({slots}, topk_ids.options());
+  for (int64_t i = 0; i < slots; ++i) {
+    order_t.data_ptr<int64_t>()[i] = order[i];
+    token_t.data_ptr<int64_t>()[i] = order[i] / top_k;
+  }
+  const auto xs = x.index_select(0, token_t);
+  const auto ws = topk_weights.reshape({-1}).index_select(0, order_t);
+  auto out = at::empty({slots, x.size(1)}, x.options());
+  // The experts that got tokens, most rows first: the threads take them one at a time.
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) {
+    return start[a + 1] - start[a] > start[b + 1] - start[b];
+  });
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto run = [&](int64_t e) {
+    const int64_t lo = start[e], n = start[e + 1] - lo;
+    const bool small = bf16 && n <= small_rows;
+    const int64_t path = small ? PATH_SMALL : PATH_ONEDNN;
+    const auto rows = xs.narrow(0, lo, n);
+    const auto& a = small || !packed ? w13[e] : packed13[e];
+    const auto& b = small || !packed ? w2[e] : packed2[e];
+    const auto h = silu_and_mul(path_linear(rows, a, std::nullopt, nullptr, path));
+    const auto y = path_linear(h, b, std::nullopt, nullptr, path);
+    out.narrow(0, lo, n).copy_(y.mul(ws.narrow(0, lo, n).unsqueeze(1)));
+  };
+  const int64_t count = static_cast<int64_t>(active.size());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+  if (threads <= 1) {
+    for (int64_t e : active) run(e);  // one expert: its ops keep every thread
+  } else {
+    std::exception_ptr error;
+    const at::ThreadLocalState state;  // inference mode and the like, for the other threads
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) {
+      try {
+        at::ThreadLocalStateGuard guard(state);
+        run(active[i]);
+      } catch (...) {
+#pragma omp critical
+        error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  }
+  return at::zeros_like(x).index_add_(0, token_t, out);
+}
+
+}  // namespace hotswap
