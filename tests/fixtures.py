@@ -236,17 +236,24 @@ def hf_moe_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
                                        norm_topk_prob=True, mlp_only_layers=[1])
 
 
-def write_moe(path: str, arch: str, seed: int, stacked: bool = False) -> str:
-    """A random tiny MoE with a trained tokenizer: per-expert tensors as save_pretrained writes
-    them, or (stacked) transformers 5's named_parameters ([E, 2I, H] / [E, H, I])."""
-    vocab = write_tokenizer(path)
-    cfg = hf_moe_config(arch, vocab)
+def hf_moe(arch: str, vocab: int, seed: int) -> transformers.PreTrainedModel:
+    """A random tiny HF MoE in float32, weights larger than the default init: logits and routes
+    with real spread."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # larger-than-default weights: logits and routes with real spread
+    model = transformers.AutoModelForCausalLM.from_config(hf_moe_config(arch, vocab),
+                                                          dtype=torch.float32)
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
+    return model
+
+
+def write_moe(path: str, arch: str, seed: int, stacked: bool = False) -> str:
+    """A random tiny MoE with a trained tokenizer: per-expert tensors as save_pretrained writes
+    them, or (stacked) transformers 5's named_parameters ([E, 2I, H] / [E, H, I])."""
+    model = hf_moe(arch, write_tokenizer(path), seed)
+    cfg = model.config
     if not stacked:
         model.save_pretrained(path)
         return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from fixtures import hf_moe
 
 from hotswap.rollout.routing_replay import moe_routers, record_routes, replay_routes
 
@@ -17,24 +18,8 @@ IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
 
 
 def tiny_moe(arch: str, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
-    """A random tiny MoE (Qwen3-MoE: layer 1 dense, norm_topk_prob on), weights large enough
-    that routes spread."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
-    if arch == "mixtral":
-        cfg = transformers.MixtralConfig(**common, intermediate_size=32, num_hidden_layers=2,
-                                         num_local_experts=6)
-    else:
-        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
-                                          num_hidden_layers=3, num_experts=8, head_dim=16,
-                                          norm_topk_prob=True, mlp_only_layers=[1])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-    return model.to(dtype).eval()
+    """Qwen3-MoE (layer 1 dense, norm_topk_prob on) or Mixtral, random."""
+    return hf_moe(arch, VOCAB, seed=0).to(dtype).eval()
 
 
 def logits(model: transformers.PreTrainedModel) -> torch.Tensor:
