@@ -289,3 +289,28 @@ def test_a_stream_whose_replica_dies_restarts_its_samples_elsewhere(local_ray, m
         with Engine(models["a"], **KW) as engine:
             want = engine.generate(prompts, long)
         assert sorted(got.values()) == sorted(o["output_ids"] for o in want)
+
+
+def test_routed_experts_come_back_from_the_replicas_as_from_one_engine(local_ray, tmp_path):
+    """An MoE fleet with return_routed_experts: the arrays of an in-process engine, per sample,
+    in input order, streamed (final event) too."""
+    import numpy as np
+    from fixtures import write_moe
+
+    path = write_moe(str(tmp_path / "moe"), "mixtral", seed=0)
+    kwargs = {**KW, "enable_return_routed_experts": True}
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 5, 6], [5, 6, 7, 30]]
+    params = {**GREEDY, "n": 2}
+    with Engine(path, **kwargs) as engine:
+        want = engine.generate(input_ids=prompts, sampling_params=params,
+                               return_routed_experts=True)
+    with RayFleet(path, replicas=2, engine_kwargs=kwargs) as fleet:
+        got = fleet.generate(input_ids=prompts, sampling_params=params,
+                             return_routed_experts=True)
+        streamed = list(fleet.generate(input_ids=prompts[0], sampling_params=GREEDY,
+                                       return_routed_experts=True, stream=True))
+    assert tokens(got) == tokens(want)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g["meta_info"]["routed_experts"], w["meta_info"]["routed_experts"])
+    assert np.array_equal(streamed[-1]["meta_info"]["routed_experts"],
+                          want[0]["meta_info"]["routed_experts"])

@@ -94,21 +94,28 @@ void small_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, float* out, i
   for (; r0 < r1; ++r0) small_group_bf16<M, 1>(x, w + r0 * k, out + r0, k, n);
 }
 
-// Weight rows [r0, r1) times the m rows of a bf16 x, 8 rows at a time (k a multiple of 32).
+// Weight rows [r0, r1) times the m rows of a bf16 x, 8 rows at a time (k a multiple of 32). A
+// tile of SMALL_TILE_ROWS weight rows meets every row of x before the next tile is read, so
+// past 8 rows of x (an MoE expert's rows) the weights still stream from memory once.
+constexpr int64_t SMALL_TILE_ROWS = 8;
+
 void small_linear_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t m,
                             int64_t k, int64_t r0, int64_t r1, int64_t n) {
-  for (int64_t i = 0; i < m; i += 8) {
-    const at::BFloat16* xi = x + i * k;
-    float* oi = out + i * n;
-    switch (std::min<int64_t>(8, m - i)) {
-      case 1: small_rows_bf16<1>(xi, w, oi, k, r0, r1, n); break;
-      case 2: small_rows_bf16<2>(xi, w, oi, k, r0, r1, n); break;
-      case 3: small_rows_bf16<3>(xi, w, oi, k, r0, r1, n); break;
-      case 4: small_rows_bf16<4>(xi, w, oi, k, r0, r1, n); break;
-      case 5: small_rows_bf16<5>(xi, w, oi, k, r0, r1, n); break;
-      case 6: small_rows_bf16<6>(xi, w, oi, k, r0, r1, n); break;
-      case 7: small_rows_bf16<7>(xi, w, oi, k, r0, r1, n); break;
-      default: small_rows_bf16<8>(xi, w, oi, k, r0, r1, n); break;
+  for (int64_t t0 = r0; t0 < r1; t0 += SMALL_TILE_ROWS) {
+    const int64_t t1 = std::min(r1, t0 + SMALL_TILE_ROWS);
+    for (int64_t i = 0; i < m; i += 8) {
+      const at::BFloat16* xi = x + i * k;
+      float* oi = out + i * n;
+      switch (std::min<int64_t>(8, m - i)) {
+        case 1: small_rows_bf16<1>(xi, w, oi, k, t0, t1, n); break;
+        case 2: small_rows_bf16<2>(xi, w, oi, k, t0, t1, n); break;
+        case 3: small_rows_bf16<3>(xi, w, oi, k, t0, t1, n); break;
+        case 4: small_rows_bf16<4>(xi, w, oi, k, t0, t1, n); break;
+        case 5: small_rows_bf16<5>(xi, w, oi, k, t0, t1, n); break;
+        case 6: small_rows_bf16<6>(xi, w, oi, k, t0, t1, n); break;
+        case 7: small_rows_bf16<7>(xi, w, oi, k, t0, t1, n); break;
+        default: small_rows_bf16<8>(xi, w, oi, k, t0, t1, n); break;
+      }
     }
   }
 }

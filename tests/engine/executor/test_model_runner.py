@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from fixtures import Seq, random_ids, run_step
 
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
@@ -36,51 +37,6 @@ def _hf_model(path: str) -> transformers.PreTrainedModel:
         _HF_CACHE[path] = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32).eval()
     return _HF_CACHE[path]
-
-
-class Seq:
-    """A sequence's row in the req-to-token table and the KV slots of its computed tokens."""
-
-    def __init__(self, runner: ModelRunner, tokens: list[int]):
-        self.runner = runner
-        self.tokens = tokens
-        self.row = runner.req_to_token_pool.alloc()
-        self.computed = 0
-        self.last_loc = -1
-
-    def plan(self, n: int) -> tuple[list[int], torch.Tensor, int, int]:
-        """Reserve slots for the next n tokens; returns (ids, slots, prefix_len, n)."""
-        slots = self.runner.allocator.alloc_extend([self.computed], [self.last_loc], [n])
-        assert slots is not None
-        self.runner.req_to_token_pool.write(self.row, self.computed, slots)
-        ids = self.tokens[self.computed: self.computed + n]
-        prefix = self.computed
-        self.computed += n
-        self.last_loc = int(slots[-1])
-        return ids, slots, prefix, n
-
-
-def run_step(runner: ModelRunner, parts: list[tuple[Seq, int]], all_logits: bool = True):
-    """One forward over (seq, num_new_tokens) rows; returns per-row logits of the new tokens."""
-    ids, slots, rows, prefixes, exts = [], [], [], [], []
-    for seq, n in parts:
-        i, s, p, e = seq.plan(n)
-        ids += i
-        slots.append(s)
-        rows.append(seq.row)
-        prefixes.append(p)
-        exts.append(e)
-    logits_idx = list(range(len(ids))) if all_logits else None
-    fb = ForwardBatch.build(ids, torch.cat(slots), rows, prefixes, exts, logits_idx)
-    logits = runner.forward(fb)
-    if not all_logits:
-        return list(logits)
-    return list(logits.split(exts))
-
-
-def random_ids(n: int, seed: int, vocab: int = 256) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def test_prefill_matches_hf(tiny_model_path):

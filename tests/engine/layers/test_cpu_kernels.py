@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model_runner import Seq, run_step
+from fixtures import Seq, run_step
 
 from hotswap.engine.attention.torch_backend import KERNEL_EXTEND_MAX_KEYS
 from hotswap.engine.config import EngineConfig, ModelConfig

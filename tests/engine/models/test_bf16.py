@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 import transformers
-from test_model_runner import Seq, random_ids, run_step
+from fixtures import Seq, random_ids, run_step
 
 from hotswap.engine.config import EngineConfig, ModelConfig, auto_dtype
 from hotswap.engine.executor.model_runner import ModelRunner
