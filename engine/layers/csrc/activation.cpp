@@ -12,6 +12,18 @@
 
 namespace hotswap {
 
+template <typename T>
+void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = widen(g[j]);
+    o[j] = narrow<T>(a / (1.f + fast_exp(-a)) * widen(u[j]));
+  }
+}
+template void silu_and_mul_row<float>(const float*, const float*, float*, int64_t);
+template void silu_and_mul_row<at::BFloat16>(const at::BFloat16*, const at::BFloat16*,
+                                             at::BFloat16*, int64_t);
+
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
@@ -26,13 +38,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* g = xp + i * stride;
-        const scalar_t* u = g + inter;
-        scalar_t* o = op + i * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; ++j) {
-          const float a = widen(g[j]);
-          o[j] = narrow<scalar_t>(a / (1.f + fast_exp(-a)) * widen(u[j]));
-        }
+        silu_and_mul_row(g, g + inter, op + i * inter, inter);
       }
     });
   });

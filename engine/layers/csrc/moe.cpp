@@ -14,15 +14,54 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec.h"
 
 namespace hotswap {
+namespace {
+
+// Expert e's n rows from `lo` on the small-batch path, on raw memory: the ops of the path above
+// (small_linear rounded to bf16, silu_and_mul, small_linear, the weight applied and rounded), so
+// the same bits, without the dozen tensor allocations and dispatches per expert, which at a
+// decode step's few rows per expert cost as much as its matmuls.
+void small_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w2,
+                  const at::Tensor& ws, at::Tensor& out, int64_t e, int64_t lo, int64_t n) {
+  using bf16 = at::BFloat16;
+  const int64_t hidden = w13.size(2), inter = w2.size(2);
+  thread_local std::vector<float> sums;
+  thread_local std::vector<bf16> gate_up, h;
+  sums.resize(n * std::max(2 * inter, hidden));
+  gate_up.resize(n * 2 * inter);
+  h.resize(n * inter);
+  const bf16* x = xs.data_ptr<bf16>() + lo * hidden;
+  small_linear_sums(x, w13.data_ptr<bf16>() + e * 2 * inter * hidden, sums.data(), n, hidden,
+                    2 * inter);
+  for (int64_t i = 0; i < n * 2 * inter; ++i) gate_up[i] = narrow<bf16>(sums[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const bf16* g = gate_up.data() + i * 2 * inter;
+    silu_and_mul_row(g, g + inter, h.data() + i * inter, inter);
+  }
+  small_linear_sums(h.data(), w2.data_ptr<bf16>() + e * hidden * inter, sums.data(), n, inter,
+                    hidden);
+  bf16* o = out.data_ptr<bf16>() + lo * hidden;
+  dispatch(ws.scalar_type(), "moe_experts", [&](auto zero) {
+    const auto* w = ws.data_ptr<decltype(zero)>() + lo;
+    for (int64_t i = 0; i < n; ++i) {
+      const float wi = widen(w[i]);
+      for (int64_t j = 0; j < hidden; ++j)
+        o[i * hidden + j] = narrow<bf16>(widen(narrow<bf16>(sums[i * hidden + j])) * wi);
+    }
+  });
+}
+
+}  // namespace
 
 // x [T, H]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; packed13 / packed2: each
 // expert's oneDNN-packed weights, or empty; topk_ids [T, K] int64; topk_weights [T, K]. Returns
 // sum over k of weight * down(silu(gate(x)) * up(x)) per token, with every op as grouped_experts
 // runs it (so the same bits): each expert's matmuls on expert_linear()'s path for its row count
-// (PATH_SMALL for a bf16 expert of at most `small_rows` rows), the weight applied in its dtype
-// and cast to x's, and each token's k outputs summed in ascending expert order.
+// (the small-batch kernel for a bf16 expert of at most `small_rows` rows, else oneDNN), the
+// weight applied in its dtype and cast to x's, and each token's k outputs summed in ascending
+// expert order.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13,
                        at::TensorList packed2, const at::Tensor& topk_ids,
@@ -66,15 +105,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     return start[a + 1] - start[a] > start[b + 1] - start[b];
   });
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool plain = w13.is_contiguous() && w2.is_contiguous();
   auto run = [&](int64_t e) {
     const int64_t lo = start[e], n = start[e + 1] - lo;
-    const bool small = bf16 && n <= small_rows;
-    const int64_t path = small ? PATH_SMALL : PATH_ONEDNN;
+    if (bf16 && plain && n <= small_rows) return small_expert(xs, w13, w2, ws, out, e, lo, n);
     const auto rows = xs.narrow(0, lo, n);
-    const auto& a = small || !packed ? w13[e] : packed13[e];
-    const auto& b = small || !packed ? w2[e] : packed2[e];
-    const auto h = silu_and_mul(path_linear(rows, a, std::nullopt, nullptr, path));
-    const auto y = path_linear(h, b, std::nullopt, nullptr, path);
+    const auto& a = packed ? packed13[e] : w13[e];
+    const auto& b = packed ? packed2[e] : w2[e];
+    const auto h = silu_and_mul(path_linear(rows, a, std::nullopt, nullptr, PATH_ONEDNN));
+    const auto y = path_linear(h, b, std::nullopt, nullptr, PATH_ONEDNN);
     out.narrow(0, lo, n).copy_(y.mul(ws.narrow(0, lo, n).unsqueeze(1)));
   };
   const int64_t count = static_cast<int64_t>(active.size());

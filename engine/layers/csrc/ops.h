@@ -24,6 +24,13 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
                          const at::Tensor* residual);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// One row of silu_and_mul: o[j] = silu(g[j]) * u[j] for j < n (T float or at::BFloat16).
+template <typename T>
+void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n);
+// small_linear's float32 sums of x [m, k] @ w [n, k].T for a bf16 x, on the calling thread,
+// before the rounding to x's dtype (moe.cpp runs one expert per thread on it).
+void small_linear_sums(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t m,
+                       int64_t k, int64_t n);
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual);

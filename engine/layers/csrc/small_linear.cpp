@@ -176,6 +176,16 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
 
 }  // namespace
 
+void small_linear_sums(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t m,
+                       int64_t k, int64_t n) {
+#if defined(__AVX512BF16__)
+  if (k % 32 == 0) return small_linear_rows_bf16(x, w, out, m, k, 0, n, n);
+#endif
+  std::vector<float> xf(m * k);
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = widen(x[i]);
+  small_linear_rows(xf.data(), w, out, m, k, 0, n, n);
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual) {
