@@ -179,43 +179,46 @@ def test_a_killed_replica_loses_no_request_and_its_replacement_joins_at_the_flee
         fleet.update_weights_from_tensor(models["b_tensors"], weight_version="b1")
         sender = WeightSender("127.0.0.1", free_port(), world_size=3, backend="gloo")
         sender.connect([fleet])
-        long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-        prompts = [f"{p} {i}" for i in range(12) for p in PROMPTS]
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(
-            outs=fleet.generate(prompts, long, rid=[f"r{i}" for i in range(len(prompts))])))
-        worker.start()
-        time.sleep(0.5)
-        victim = fleet.replicas_info()[0]
-        assert victim["requests"] > 0
-        os.kill(victim["pid"], signal.SIGKILL)
-        worker.join(timeout=120)
-        assert not worker.is_alive()
-        outs = result["outs"]
-        assert [o["meta_info"]["id"] for o in outs] == [f"r{i}" for i in range(len(prompts))]
-        assert all(len(o["output_ids"]) == 200 for o in outs)
-        assert any(o["meta_info"].get("resubmitted") for o in outs)
-        assert all(s["version"] == "b1" for o in outs for s in o["meta_info"]["weight_versions"])
+        try:
+            long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+            prompts = [f"{p} {i}" for i in range(12) for p in PROMPTS]
+            result: dict = {}
+            worker = threading.Thread(target=lambda: result.update(
+                outs=fleet.generate(prompts, long, rid=[f"r{i}" for i in range(len(prompts))])))
+            worker.start()
+            # Killed as soon as it has rows: 200 tokens each are still ahead of it.
+            assert wait_until(lambda: fleet.replicas_info()[0]["requests"] > 0, 30)
+            victim = fleet.replicas_info()[0]
+            os.kill(victim["pid"], signal.SIGKILL)
+            worker.join(timeout=120)
+            assert not worker.is_alive()
+            outs = result["outs"]
+            assert [o["meta_info"]["id"] for o in outs] == [f"r{i}" for i in range(len(prompts))]
+            assert all(len(o["output_ids"]) == 200 for o in outs)
+            assert any(o["meta_info"].get("resubmitted") for o in outs)
+            assert all(s["version"] == "b1"
+                       for o in outs for s in o["meta_info"]["weight_versions"])
 
-        # An update while the replacement starts leaves it out and says so; the replacement
-        # then copies that version before it serves.
-        assert wait_until(lambda: any(r["state"] in ("starting", "joining")
-                                      for r in fleet.replicas_info()), 30)
-        reply = fleet.update_weights_from_tensor(models["b_tensors"], weight_version="b2")
-        assert reply["success"] and "left out replica" in reply["message"], reply
-        assert wait_until(
-            lambda: [r["state"] for r in fleet.replicas_info()] == ["serving"] * 2, 60)
-        infos = fleet.replicas_info()
-        assert victim["index"] not in {r["index"] for r in infos}
-        assert {r["weight_version"] for r in infos} == {"b2"}
-        # The replacement serves B's weights (copied from the other replica).
-        assert tokens(fleet.generate(PROMPTS * 2, GREEDY)) == tokens(models["out_b"]) * 2
+            # An update while the replacement starts leaves it out and says so; the replacement
+            # then copies that version before it serves.
+            assert wait_until(lambda: any(r["state"] in ("starting", "joining")
+                                          for r in fleet.replicas_info()), 30)
+            reply = fleet.update_weights_from_tensor(models["b_tensors"], weight_version="b2")
+            assert reply["success"] and "left out replica" in reply["message"], reply
+            assert wait_until(
+                lambda: [r["state"] for r in fleet.replicas_info()] == ["serving"] * 2, 60)
+            infos = fleet.replicas_info()
+            assert victim["index"] not in {r["index"] for r in infos}
+            assert {r["weight_version"] for r in infos} == {"b2"}
+            # The replacement serves B's weights (copied from the other replica).
+            assert tokens(fleet.generate(PROMPTS * 2, GREEDY)) == tokens(models["out_b"]) * 2
 
-        # The sender's group held the dead replica: the next send re-forms it.
-        sender.send(a_tensors(models), [fleet], weight_version="a2")
-        assert fleet.get_weight_version() == "a2"
-        assert tokens(fleet.generate(PROMPTS * 2, GREEDY)) == tokens(models["out_a"]) * 2
-        sender.close([fleet])
+            # The sender's group held the dead replica: the next send re-forms it.
+            sender.send(a_tensors(models), [fleet], weight_version="a2")
+            assert fleet.get_weight_version() == "a2"
+            assert tokens(fleet.generate(PROMPTS * 2, GREEDY)) == tokens(models["out_a"]) * 2
+        finally:  # a failure here must not leave the group registered for later tests
+            sender.close([fleet])
 
 
 def test_the_callers_placement_group_and_replicas_serving_http(local_ray, models):

@@ -63,8 +63,7 @@ void small_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor&
 // weight applied in its dtype and cast to x's, and each token's k outputs summed in ascending
 // expert order.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                       at::TensorList packed13,
-                       at::TensorList packed2, const at::Tensor& topk_ids,
+                       at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, int64_t small_rows) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2,
               "moe_experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]");

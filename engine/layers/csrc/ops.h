@@ -46,8 +46,7 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                        const at::Tensor* residual, int64_t path,
                        const std::optional<at::Tensor>& scale = std::nullopt);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                       at::TensorList packed13,
-                       at::TensorList packed2, const at::Tensor& topk_ids,
+                       at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, int64_t small_rows);
 // The Hadamard block of an int8 linear with k inputs (layers/quant.py's hadamard_block): the
 // largest power of two dividing k, at most 64.
