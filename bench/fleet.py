@@ -25,22 +25,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from throughput import chat_prompts  # noqa: E402  bench/ is on sys.path as a script
 
 from hotswap.engine import Engine  # noqa: E402
 from hotswap.engine.models.fetch import ensure_model  # noqa: E402
 from hotswap.fleet import RayFleet  # noqa: E402
 from hotswap.weight_sync import WeightSender  # noqa: E402
 from hotswap.weight_sync.group import free_port  # noqa: E402
-
-
-def prompts(tokenizer, count: int) -> list[list[int]]:
-    topics = ["the ocean", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "music"]
-    out = []
-    for i in range(count):
-        msgs = [{"role": "user", "content": f"Write about {topics[i % 8]}, variation {i}."}]
-        ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
 
 
 def tok_per_s(client, ids: list[list[int]], new_tokens: int) -> float:
@@ -82,7 +73,7 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     torch.set_num_threads(cores)
     with Engine(path, **kw) as engine:
-        ids = prompts(engine.tokenizer, args.prompts)
+        ids = chat_prompts(engine.tokenizer, args.prompts)
         rows["Engine, in process"] = {
             "tok/s": statistics.median(tok_per_s(engine, ids, args.new_tokens)
                                        for _ in range(args.repeats)),

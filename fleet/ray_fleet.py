@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotswap.engine.client.protocol import interface_methods, per_prompt, resolve_commit
+from hotswap.engine.client.protocol import per_prompt, resolve_commit
 from hotswap.fleet.affinity import PrefixAffinity, affinity_key
 from hotswap.fleet.coordinator import Coordinator, Member
-from hotswap.fleet.replica import EngineReplica, pack_tensors
+from hotswap.fleet.replica import FORWARDED, EngineReplica, pack_tensors
 
 logger = logging.getLogger("hotswap.fleet")
 
@@ -73,7 +73,7 @@ class ReplicaClient:
         return self.label
 
     def __getattr__(self, name: str) -> Any:
-        if name not in interface_methods():
+        if name not in FORWARDED:
             raise AttributeError(name)
         return lambda *args, **kwargs: self.get(self.actor.call.remote(name, *args, **kwargs))
 
@@ -420,8 +420,9 @@ class RayFleet(Coordinator):
                 return False
             weights = sources[0].actor.weights_for_transfer.remote()
             replica.client.update_tensors(weights, weight_version=self.version)
+        loaded = replica.client.list_lora_adapters()
         for name, (method, args, kwargs) in self._adapters.items():
-            if replica.client.list_lora_adapters().get(name) is None:
+            if loaded.get(name) is None:
                 getattr(replica.client, method)(*args, **kwargs)
         replica.info["weight_version"] = replica.client.get_weight_version()
         return replica.info["weight_version"] == self.version

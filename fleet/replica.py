@@ -21,24 +21,16 @@ import numpy as np
 import torch
 
 from hotswap.engine import Engine
+from hotswap.engine.client.protocol import interface_methods
 from hotswap.weight_sync.bucket import dtype_to_str, str_to_dtype
 
 # (name, dtype, shape, bytes): what goes through Ray's object store
 Packed = list[tuple[str, str, tuple[int, ...], np.ndarray]]
 
 # Calls the fleet forwards by name: the engine interface, minus generation and what the
-# replica implements itself.
-_FORWARDED = frozenset({
-    "abort_request", "pause_generation", "continue_generation", "flush_cache",
-    "release_memory_occupation", "resume_memory_occupation", "check_integrity",
-    "get_weight_version", "update_weight_version", "get_weights_by_name",
-    "update_weights_from_tensor", "update_weights_from_serialized", "update_weights_from_disk",
-    "commit_weight_update", "abort_weight_update", "init_weights_update_group",
-    "update_weights_from_distributed", "destroy_weights_update_group",
-    "prepare_weights_from_distributed", "prepare_weights_from_disk", "commit_weights_update",
-    "abort_weights_update", "load_lora_adapter", "load_lora_adapter_from_tensors",
-    "unload_lora_adapter", "list_lora_adapters", "get_load",
-})
+# replica implements itself, plus the load it reports to the fleet.
+FORWARDED = (interface_methods() - {"generate", "async_generate", "shutdown",
+                                    "weight_sync_ranks"}) | {"get_load"}
 
 
 class EngineReplica:
@@ -80,7 +72,7 @@ class EngineReplica:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One engine method by name (the interface's control calls)."""
-        if method not in _FORWARDED:
+        if method not in FORWARDED:
             raise ValueError(f"{method!r} is not an engine call a replica forwards")
         return getattr(self.engine, method)(*args, **kwargs)
 

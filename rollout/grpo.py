@@ -232,7 +232,7 @@ class Trainer:
                 old = logp.detach()
                 iw = importance_weights(old, behavior, mask, self.tis, self.tis_mode)
                 weights = iw.weights
-                sums["truncated"] += (iw.truncated & mask.bool()).sum().item()
+                sums["truncated"] += iw.truncated.sum().item()  # of trainable tokens
             ratio = torch.exp(logp - old)
             adv = part["advantages"][:, None]
             surrogate = torch.minimum(ratio * adv,

@@ -34,15 +34,17 @@ from typing import Any
 
 from hotswap.fleet.replica import EngineReplica
 from hotswap.trainers_adapters.groups import STATELESS_GROUP_NAME
-from hotswap.trainers_adapters.vllm import RequestOutput, SamplingParams, completion_output
+from hotswap.trainers_adapters.vllm import (
+    LOGPROB_MODES,
+    RequestOutput,
+    SamplingParams,
+    completion_output,
+)
 
 # vLLM engine arguments create_vllm_engines passes that mean nothing to hotswap
 _VLLM_ONLY = frozenset({"enforce_eager", "worker_extension_cls", "distributed_executor_backend",
                         "trust_remote_code", "gpu_memory_utilization", "max_logprobs",
                         "num_gpus"})
-_LOGPROB_MODES = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
-
-
 def engine_options(kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     """vLLM's AsyncEngineArgs as create_vllm_engines fills them -> (model, Engine kwargs,
     logprob mode). `engine_kwargs` (hotswap's own options) goes last."""
@@ -51,7 +53,7 @@ def engine_options(kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     options: dict[str, Any] = dict(kwargs.pop("engine_kwargs", None) or {})
     if kwargs.pop("limit_mm_per_prompt", None):
         raise ValueError("multi-modal prompts are not supported")
-    mode = _LOGPROB_MODES.get(kwargs.pop("logprobs_mode", None) or "processed_logprobs")
+    mode = LOGPROB_MODES.get(kwargs.pop("logprobs_mode", None) or "processed_logprobs")
     if mode is None:
         raise ValueError("logprobs_mode: hotswap returns processed_logprobs or raw_logprobs")
     renamed = {"tensor_parallel_size": "tp_size", "max_model_len": "context_length",

@@ -25,6 +25,8 @@ from typing import Any
 from hotswap.engine import Engine as HotswapEngine
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# vLLM's logprobs_mode names -> hotswap's logprob_mode (the two vLLM modes hotswap returns)
+LOGPROB_MODES = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
 
 
 @dataclass

@@ -128,13 +128,10 @@ class WeightSender:
         left): the group is re-formed for the replicas it has now, at the next send."""
         if self._members is None or _membership(targets) == self._members:
             return
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
-        failures = self._destroy_targets(targets)
-        if failures:
-            logger.warning("re-forming %r: destroying the old group failed on %s",
-                           self.group_name, failures)
+        try:
+            self.close(targets)
+        except WeightSyncError as err:
+            logger.warning("re-forming %r: %s", self.group_name, err)
         self._members = None
         self.world_size = 1 + sum(_ranks_of(t) for t in targets)
 

@@ -42,11 +42,10 @@ class ModelRunner:
         self._weights_generation = 0
         self._packed_generation = -1
         self.last_pack_s = 0.0  # how long the last rebuild of the packed copies took
-        self.last_quantize_s = 0.0  # of which: the int8 copies (quantization="int8")
         self.quant_bytes = 0  # what the int8 copies hold
         if config.quantization is not None:
             quant.fast_path()  # logs whether int8 runs fast here, and why not
-        self._refresh_packs()
+        self.refresh_derived()
 
         page_size = config.page_size
         num_pages = self._num_kv_tokens() // page_size
@@ -115,19 +114,14 @@ class ModelRunner:
         """Rebuild the packed and int8 copies of the current weights now, where stale: a weight
         update calls it inside its transaction (paused), so its first step pays nothing and a
         quantization error fails the update; otherwise the next forward does."""
-        self._refresh_packs()
-
-    def _refresh_packs(self) -> None:
         if self._packed_generation == self._weights_generation or self.weights_released:
             return
         config = self.config
         start = time.perf_counter()
         self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head,
                                    config.pack_weights)
-        quantize_start = time.perf_counter()
         if config.quantization is not None:  # first: packing skips what has an int8 copy
             self.quant_bytes = quantize_model(self.model, True, config.quantize_lm_head)
-        self.last_quantize_s = time.perf_counter() - quantize_start
         self.model.pack_weights(config.pack_weights)
         self._packed_generation = self._weights_generation
         self.last_pack_s = time.perf_counter() - start
@@ -147,7 +141,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [len(fb.logits_indices), vocab]."""
-        self._refresh_packs()
+        self.refresh_derived()
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         pool = self.kv_pool

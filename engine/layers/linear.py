@@ -140,17 +140,15 @@ def quantized_linears(model: nn.Module) -> Iterable[nn.Module]:
 
 def quantize_model(model: nn.Module, enable: bool, head: bool = False) -> int:
     """Rebuild (or drop) the int8 copy of every linear weight (and of the lm_head with `head`);
-    a quantized Linear's packed copy is dropped, as it is never multiplied. Returns the bytes the
-    int8 copies hold."""
+    the model's pack_weights, which runs after it, packs nothing that has one. Returns the bytes
+    the int8 copies hold."""
     total = 0
     for module in quantized_linears(model):
         module.quant = quantize_weight(module.weight) if enable else None
         if enable:
-            module.packed = None
             total += module.quant.nbytes
     quant_head = quantize_weight(model.lm_head_weight) if enable and head else None
     model.lm_head_quant = quant_head
     if quant_head is not None:
-        model.lm_head_packed = None
         total += quant_head.nbytes
     return total

@@ -23,7 +23,7 @@ from torch import nn
 
 from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
-from hotswap.engine.layers.linear import SMALL_ROWS, linear, pack
+from hotswap.engine.layers.linear import SMALL_ROWS, can_pack, linear, pack
 
 
 class Routing(NamedTuple):
@@ -142,7 +142,7 @@ class FusedMoE(nn.Module):
         """Rebuild (or drop) the packed copies of the experts' weights (where packing applies:
         about a fifth faster at the few rows an expert gets in a decode step)."""
         self.packs = None
-        if enable and pack(self.w13[0]) is not None:
+        if enable and can_pack(self.w13[0]):
             self.packs = ExpertPacks([pack(w) for w in self.w13], [pack(w) for w in self.w2])
 
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> Routing:

@@ -202,17 +202,15 @@ class LlamaModel(nn.Module):
         path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x,  # x: the residual
                            attn.qkv_proj.quant)
 
-        def weight(proj: Linear) -> torch.Tensor:
-            return proj.fused_weights(path)[0]
-
         def layer_weights(layer: LlamaDecoderLayer) -> cpu_kernels.LayerWeights:
             attn, mlp = layer.self_attn, layer.mlp
-            projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            (qkv, qkv_scale), (o, o_scale), (gate_up, gate_up_scale), (down, down_scale) = (
+                p.fused_weights(path)
+                for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             return cpu_kernels.LayerWeights(
-                layer.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias,
-                weight(attn.o_proj), layer.post_attention_layernorm.weight,
-                weight(mlp.gate_up_proj), weight(mlp.down_proj),
-                *(proj.fused_weights(path)[1] for proj in projs))  # int8 scales
+                layer.input_layernorm.weight, qkv, attn.qkv_proj.bias, o,
+                layer.post_attention_layernorm.weight, gate_up, down,
+                qkv_scale, o_scale, gate_up_scale, down_scale)
 
         return cpu_kernels.decode_stack(map(layer_weights, self.layers), self.cfg.rms_norm_eps,
                                         path, self.cfg.num_heads)

@@ -40,7 +40,6 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.layer_id = layer_id
         self.moe_index = sum(cfg.is_moe_layer(i) for i in range(layer_id))  # in routes' layout
         self.mixtral = cfg.architecture == MIXTRAL
         self.experts = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,

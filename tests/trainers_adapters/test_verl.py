@@ -14,9 +14,10 @@ import torch
 import transformers
 from fixtures import hf_greedy, write_tiny_chat_model
 
+from hotswap.rollout.client import versions_per_token as token_versions
 from hotswap.trainers_adapters import verl as verl_adapter
 from hotswap.trainers_adapters.verl.rollout import HotswapRollout
-from hotswap.trainers_adapters.verl.server import HotswapServer, ServerSettings, token_versions
+from hotswap.trainers_adapters.verl.server import HotswapServer, ServerSettings
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

@@ -26,7 +26,8 @@ from verl.workers.config import HFModelConfig
 from verl.workers.rollout.replica import RolloutReplica
 
 from hotswap.trainers_adapters.verl.rollout import SERVER_NAME
-from hotswap.trainers_adapters.verl.server import LOGPROB_MODES, HotswapServer, ServerSettings
+from hotswap.trainers_adapters.verl.server import HotswapServer, ServerSettings
+from hotswap.trainers_adapters.vllm import LOGPROB_MODES
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
            "float": "float32"}

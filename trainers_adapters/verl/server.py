@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hotswap.fleet.replica import EngineReplica
+from hotswap.rollout.client import versions_per_token
 
 logger = logging.getLogger(__name__)
 
-LOGPROB_MODES = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
 # verl's sampling keys that hotswap takes under another name or as a request argument
 _RENAMED = {"max_tokens": "max_new_tokens"}
 
@@ -111,7 +111,7 @@ class HotswapServer(EngineReplica):
     def _token_output(self, out: dict, return_logprob: bool) -> Any:
         meta = out["meta_info"]
         token_ids = list(out["output_ids"])
-        versions = token_versions(meta.get("weight_versions", []), len(token_ids))
+        versions = versions_per_token(meta.get("weight_versions", []), len(token_ids))
         steps = [s for s in (_as_step(v) for v in versions) if s is not None]
         last = steps[-1] if steps else _as_step(meta.get("weight_version"))
         reason = (meta.get("finish_reason") or {}).get("type")
@@ -222,15 +222,6 @@ class HotswapServer(EngineReplica):
         if isinstance(out, dict) and not out.get("success", True):
             raise RuntimeError(f"{method}: {out.get('message')}")
         return out
-
-
-def token_versions(spans: list[dict], count: int) -> list[str | None]:
-    """The engine's version spans (output positions [start, end)) as one label per token."""
-    out: list[str | None] = [None] * count
-    for span in spans:
-        for i in range(span["start"], min(span["end"], count)):
-            out[i] = span["version"]
-    return out
 
 
 def _as_step(version: Any) -> int | None:

@@ -85,14 +85,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     ++start[id[s] + 1];
   }
   std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int64_t> order(slots), fill(start.begin(), start.end() - 1);
-  for (int64_t s = 0; s < slots; ++s) order[fill[id[s]]++] = s;
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
   auto order_t = at::empty({slots}, topk_ids.options());
   auto token_t = at::empty({slots}, topk_ids.options());
-  for (int64_t i = 0; i < slots; ++i) {
-    order_t.data_ptr<int64_t>()[i] = order[i];
-    token_t.data_ptr<int64_t>()[i] = order[i] / top_k;
-  }
+  int64_t* order = order_t.data_ptr<int64_t>();
+  int64_t* token = token_t.data_ptr<int64_t>();
+  for (int64_t s = 0; s < slots; ++s) order[fill[id[s]]++] = s;
+  for (int64_t i = 0; i < slots; ++i) token[i] = order[i] / top_k;
   const auto xs = x.index_select(0, token_t);
   const auto ws = topk_weights.reshape({-1}).index_select(0, order_t);
   auto out = at::empty({slots, x.size(1)}, x.options());

@@ -107,8 +107,10 @@ void rescale_row(const int32_t* acc, float s, const float* ws, const float* bias
   }
 }
 
+}  // namespace
+
 // Rows of x [m, k] (float32 or bf16) -> q int8 [m, k] and scales float32 [m].
-std::tuple<at::Tensor, at::Tensor> quantize_rows_impl(const at::Tensor& x, int64_t block) {
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2, "quantize_rows: x must be 2-D");
   TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && x.size(1) % block == 0,
               "quantize_rows: block must be a power of two dividing ", x.size(1), ", got ", block);
@@ -131,12 +133,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_impl(const at::Tensor& x, int64
   return {q, scale};
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
-  return quantize_rows_impl(x, block);
-}
-
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, int64_t block) {
@@ -147,7 +143,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0),
               "int8_linear: scale must be float32 [n]");
   const int64_t m = x.size(0), n = weight.size(0);
-  auto [q, xs] = quantize_rows_impl(x, block);
+  auto [q, xs] = quantize_rows(x, block);
   // [n, k] contiguous, passed transposed: oneDNN reads it as a column-major [k, n].
   const at::Tensor acc = at::_int_mm(q, weight.t());
   auto out = at::empty({m, n}, x.options());

@@ -181,7 +181,8 @@ void small_linear_sums(const at::BFloat16* x, const at::BFloat16* w, float* out,
 #if defined(__AVX512BF16__)
   if (k % 32 == 0) return small_linear_rows_bf16(x, w, out, m, k, 0, n, n);
 #endif
-  std::vector<float> xf(m * k);
+  thread_local std::vector<float> xf;
+  xf.resize(m * k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = widen(x[i]);
   small_linear_rows(xf.data(), w, out, m, k, 0, n, n);
 }
