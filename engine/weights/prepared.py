@@ -58,12 +58,7 @@ class PreparedUpdate:
     def from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping) -> dict:
         """(HF name, tensor) pairs, a subset of the weights, validated and checked now (a
         coordinator that has the tensors in hand, e.g. from Ray's object store)."""
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
-                     else named_tensors)
-        if any(not isinstance(t, torch.Tensor) for _, t in items):
-            raise ValueError("named_tensors must hold torch.Tensor values")
-        self.weights.validate_update([n for n, _ in items], [t.dtype for _, t in items],
-                                     [t.shape for _, t in items])
+        items = self.weights.tensor_items(named_tensors)
         self.weights.check_values(items)
         return self._stage(items, f"{len(items)} tensor(s)")
 
@@ -92,7 +87,9 @@ class PreparedUpdate:
             return self.weights.commit_received(tensors.names, weight_version, pause_mode)
         if isinstance(tensors, Landed):
             return self.weights.install(tensors, weight_version, pause_mode)
-        return self.weights.update_from_tensor(tensors, weight_version, pause_mode)
+        # Checked for NaN and inf when prepared (from_tensors, from_disk): not scanned again.
+        return self.weights.update_from_tensor(tensors, weight_version, pause_mode,
+                                               values_checked=True)
 
     def abort(self) -> dict:
         with self._lock:

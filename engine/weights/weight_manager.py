@@ -122,19 +122,29 @@ class WeightManager:
         if not meta:
             raise ValueError("the update holds no tensors")
 
-    def update_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping,
-                           weight_version: str | None, pause_mode: str,
-                           commit: bool = True) -> dict:
+    def tensor_items(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping
+                     ) -> list[tuple[str, torch.Tensor]]:
+        """An update's (name, tensor) pairs, validated against the model (names, shapes,
+        dtypes); their values are not looked at."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
                      else named_tensors)
         if any(not isinstance(t, torch.Tensor) for _, t in items):
             raise ValueError("named_tensors must hold torch.Tensor values")
-        names = [n for n, _ in items]
-        self.validate_update(names, [t.dtype for _, t in items], [t.shape for _, t in items])
+        self.validate_update([n for n, _ in items], [t.dtype for _, t in items],
+                             [t.shape for _, t in items])
+        return items
+
+    def update_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping,
+                           weight_version: str | None, pause_mode: str,
+                           commit: bool = True, values_checked: bool = False) -> dict:
+        """values_checked: the caller ran check_values on these tensors (a prepared update),
+        so the NaN/inf pass over them is not made again."""
+        items = self.tensor_items(named_tensors)
         self._prepare(weight_version, pause_mode)
-        self.check_values(items)
-        return self._commit(lambda: self._write(items), names, weight_version, pause_mode,
-                            commit)
+        if not values_checked:
+            self.check_values(items)
+        return self._commit(lambda: self._write(items), [n for n, _ in items], weight_version,
+                            pause_mode, commit)
 
     def update_from_disk(self, model_path: str, weight_version: str | None,
                          pause_mode: str, commit: bool = True) -> dict:
