@@ -129,10 +129,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 packed13: list[torch.Tensor], packed2: list[torch.Tensor], topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, small_rows: int) -> torch.Tensor:
+                topk_weights: torch.Tensor, small_rows: int, blocked13: torch.Tensor | None,
+                blocked2: torch.Tensor | None) -> torch.Tensor:
     """layers/moe.py's grouped_experts in one call, the experts spread over the threads."""
     return torch.ops.hotswap.moe_experts(x, w13, w2, packed13, packed2, topk_ids, topk_weights,
-                                         small_rows)
+                                         small_rows, blocked13, blocked2)
+
+
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ weight.T, the weight [n, k] given in the blocked layout (layers/moe.py's
+    block_pack), in x's dtype; needs AVX-512 (and AVX512-BF16 for bf16)."""
+    return torch.ops.hotswap.blocked_linear(x, blocked)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

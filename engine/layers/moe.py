@@ -7,7 +7,8 @@ top-k, the k probabilities renormalised where the model says so, then cast to th
 The experts run grouped: the (token, slot) pairs are sorted by expert id, and on CPU every expert
 that got tokens multiplies its rows in one matmul (no loop over idle experts, none over tokens);
 on CUDA a Triton kernel runs all of them as one grouped GEMM (moe_triton.py). Each token's k
-outputs are summed in ascending expert order, as HF's index_add_ loop does.
+outputs are summed in ascending expert order, as HF's index_add_ loop does. On a CPU with
+AVX-512 the experts are also kept in a blocked layout (block_pack) for csrc/moe.cpp's kernel.
 
 Routing replay: given `topk_ids` are used instead of the router's choice, with weights still read
 from the router's probabilities at those ids, so the same ids reproduce the same output bits.
@@ -57,22 +58,54 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertPacks(NamedTuple):
-    """pack() of every expert's w13 and w2 (layers/linear.py): caches of the weights."""
+    """Caches of the experts' weights, rebuilt whenever the weights change: w13 and w2 whole in
+    the blocked layout where its kernel applies, else pack() of every expert's w13 and w2
+    (layers/linear.py)."""
 
     w13: list[torch.Tensor]
     w2: list[torch.Tensor]
+    blocked13: torch.Tensor | None = None
+    blocked2: torch.Tensor | None = None
 
 
-# A bf16 expert of at most this many rows takes the small-batch kernel (layers/linear.py's
-# SMALL path): the experts of a step run one per thread, where it streams an expert's weights
-# faster than oneDNN up to ~32-48 rows (AVX512-BF16 EPYC, bench/moe.py's shapes; without
-# AVX512-BF16 unmeasured, so the dense threshold).
-EXPERT_SMALL_ROWS = 32 if "avx512_bf16" in read_cpu_flags() else SMALL_ROWS
+CPU_FLAGS = read_cpu_flags()
+AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
+# Without the blocked layout, a bf16 expert of at most this many rows takes the small-batch kernel
+# (layers/linear.py's SMALL path): the experts of a step run one per thread, where it streams an
+# expert's weights faster than oneDNN up to ~32-48 rows (AVX512-BF16 EPYC, bench/moe.py's shapes;
+# without AVX512-BF16 unmeasured, so the dense threshold).
+EXPERT_SMALL_ROWS = 32 if AVX512_BF16 else SMALL_ROWS
+BLOCK = 32  # outputs per block of the blocked layout (csrc/moe.cpp)
 
 
-def expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None
-                  ) -> torch.Tensor:
-    """linear(), with the small-batch kernel up to EXPERT_SMALL_ROWS rows of a bf16 expert."""
+def can_block(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the experts take the blocked kernel: bf16 with AVX512-BF16 or float32 with
+    AVX-512, every output count a multiple of BLOCK and every input count one of lanes."""
+    flag = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(w13.dtype)
+    group = 4 // w13.element_size()
+    return (flag in CPU_FLAGS and w13.dtype == w2.dtype and cpu_kernels.applies(w13)
+            and all(w.shape[1] % BLOCK == 0 and w.shape[2] % group == 0 for w in (w13, w2)))
+
+
+def block_pack(w: torch.Tensor) -> torch.Tensor:
+    """Stacked weights [E, n, k] in the blocked layout [E, n / 32, k / G, 32, G], G the inputs
+    one 32-bit lane holds (2 in bf16, 1 in float32): for each block of 32 outputs and each group
+    of G inputs, the 32 outputs' weights side by side. The kernel loads a block's weights for a
+    group in two vectors and broadcasts x's group (AVX512-BF16's pairwise products, or float32
+    FMAs), with no horizontal sums; it beat both the small-batch kernel and oneDNN's packed
+    matmul at every row count of bench/moe.py's shapes (docs/performance.md)."""
+    e, n, k = w.shape
+    group = 4 // w.element_size()
+    return (w.detach().view(e, n // BLOCK, BLOCK, k // group, group)
+            .permute(0, 1, 3, 2, 4).contiguous())
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                  blocked: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(), with the blocked kernel where the weight is given in the blocked layout, else
+    the small-batch kernel up to EXPERT_SMALL_ROWS rows of a bf16 expert."""
+    if blocked is not None:
+        return cpu_kernels.blocked_linear(x, blocked)
     if (len(x) <= EXPERT_SMALL_ROWS and x.dtype == weight.dtype == torch.bfloat16
             and cpu_kernels.applies(x)):
         return cpu_kernels.small_linear(x, weight)
@@ -93,10 +126,13 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
     token_of = order // top_k
     xs = x.index_select(0, token_of)
     out = torch.empty(len(order), x.shape[1], dtype=x.dtype, device=x.device)
+    packs = packs or ExpertPacks([], [])
+    blocked = packs.blocked13 is not None
     for e, n, end in zip(active.tolist(), counts[active].tolist(), ends.tolist(), strict=True):
-        p13, p2 = (None, None) if packs is None else (packs.w13[e], packs.w2[e])
-        h = silu_and_mul(expert_linear(xs[end - n: end], w13[e], p13))
-        out[end - n: end] = expert_linear(h, w2[e], p2)
+        p13, p2 = (packs.w13[e], packs.w2[e]) if packs.w13 else (None, None)
+        q13, q2 = (packs.blocked13[e], packs.blocked2[e]) if blocked else (None, None)
+        h = silu_and_mul(expert_linear(xs[end - n: end], w13[e], p13, q13))
+        out[end - n: end] = expert_linear(h, w2[e], p2, q2)
     out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
@@ -111,9 +147,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing:
 
         return moe_triton.fused_experts(x, w13, w2, *routing)
     if cpu_kernels.applies(x) and x.dtype == w13.dtype and not torch.is_grad_enabled():
-        packed13, packed2 = ([], []) if packs is None else packs
-        return cpu_kernels.moe_experts(x, w13, w2, packed13, packed2, routing.topk_ids,
-                                       routing.topk_weights, EXPERT_SMALL_ROWS)
+        packs = packs or ExpertPacks([], [])
+        return cpu_kernels.moe_experts(x, w13, w2, packs.w13, packs.w2, routing.topk_ids,
+                                       routing.topk_weights, EXPERT_SMALL_ROWS, packs.blocked13,
+                                       packs.blocked2)
     return grouped_experts(x, w13, w2, routing, packs)
 
 
@@ -139,10 +176,13 @@ class FusedMoE(nn.Module):
         self.packs: ExpertPacks | None = None  # kept current by the ModelRunner, as Linear's
 
     def pack_weights(self, enable: bool) -> None:
-        """Rebuild (or drop) the packed copies of the experts' weights (where packing applies:
-        about a fifth faster at the few rows an expert gets in a decode step)."""
+        """Rebuild (or drop) the packed copies of the experts' weights: the blocked layout
+        where its kernel applies, else oneDNN's where packing applies (about a fifth faster at
+        the few rows an expert gets in a decode step)."""
         self.packs = None
-        if enable and can_pack(self.w13[0]):
+        if enable and can_block(self.w13, self.w2):
+            self.packs = ExpertPacks([], [], block_pack(self.w13), block_pack(self.w2))
+        elif enable and can_pack(self.w13[0]):
             self.packs = ExpertPacks([pack(w) for w in self.w13], [pack(w) for w in self.w2])
 
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> Routing:

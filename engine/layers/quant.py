@@ -4,7 +4,7 @@ A weight W [n, k] is kept as it is (the float weights stay the engine's weights:
 them, the trainer reads them back) and gets a derived int8 copy, like a packed copy
 (linear.py): rebuilt by the ModelRunner inside every weight update's transaction. Both sides of
 the product are rotated first by H, the normalised block Hadamard matrix along k (blocks of
-hadamard_block(k), at most 64): x W^T = (x H)(W H)^T since H H^T = I. The rotation spreads an
+hadamard_block(k), at most 512): x W^T = (x H)(W H)^T since H H^T = I. The rotation spreads an
 outlier channel over its block, so one large value no longer sets the scale of a whole row; on
 SmolLM2-135M it cuts the logprob error of int8 rollouts by more than half (docs/performance.md).
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # CPU flags with int8 dot-product instructions (oneDNN's fast int8 matmuls).
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
-HADAMARD_MAX_BLOCK = 64
+HADAMARD_MAX_BLOCK = 512
 
 
 class QuantWeight(NamedTuple):
@@ -49,7 +49,7 @@ class QuantWeight(NamedTuple):
 
 
 def hadamard_block(k: int) -> int:
-    """The rotation's block for k inputs: the largest power of two dividing k, at most 64 (as
+    """The rotation's block for k inputs: the largest power of two dividing k, at most 512 (as
     csrc/ops.h's hadamard_block)."""
     return min(k & -k, HADAMARD_MAX_BLOCK)
 

@@ -24,7 +24,9 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual, "
         "int block) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor[] packed13, Tensor[] packed2, "
-        "Tensor topk_ids, Tensor topk_weights, int small_rows) -> Tensor");
+        "Tensor topk_ids, Tensor topk_weights, int small_rows, Tensor? blocked13, Tensor? blocked2) "
+        "-> Tensor");
+  m.def("blocked_linear(Tensor x, Tensor blocked) -> Tensor");
   m.def("head_amx() -> bool");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
@@ -41,6 +43,7 @@ TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("quantize_rows", &hotswap::quantize_rows);
   m.impl("int8_linear", &hotswap::int8_linear);
   m.impl("moe_experts", &hotswap::moe_experts);
+  m.impl("blocked_linear", &hotswap::blocked_linear);
   m.impl("head_pack", &hotswap::head_pack);
   m.impl("head_logits", &hotswap::head_logits);
 }

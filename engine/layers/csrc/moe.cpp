@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -19,36 +20,138 @@
 namespace hotswap {
 namespace {
 
-// Expert e's n rows from `lo` on the small-batch path, on raw memory: the ops of the path above
-// (small_linear rounded to bf16, silu_and_mul, small_linear, the weight applied and rounded), so
-// the same bits, without the dozen tensor allocations and dispatches per expert, which at a
-// decode step's few rows per expert cost as much as its matmuls.
-void small_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w2,
-                  const at::Tensor& ws, at::Tensor& out, int64_t e, int64_t lo, int64_t n) {
-  using bf16 = at::BFloat16;
+// The blocked layout of a weight [n, k] (layers/moe.py's block_pack): [n / 32, k / G, 32, G] with
+// G = 2 in bf16 and 1 in float32 (the inputs one 32-bit lane holds): for each block of 32
+// outputs and each group of G inputs, the 32 outputs' weights side by side.
+constexpr int64_t BLOCK = 32;
+
+#if defined(__AVX512F__)
+// Bytes ahead of its weight stream a tile asks for (into L2).
+constexpr int64_t BLOCK_PREFETCH_BYTES = 8192;
+
+// The 16 products of a lane group: AVX512-BF16's pairwise products of bf16 (exact in float32,
+// summed in float32) or a float32 FMA.
+#if defined(__AVX512BF16__)
+inline __m512 lane_fma(__m512 acc, const at::BFloat16* w, int32_t x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w),
+                          (__m512bh)_mm512_set1_epi32(x));
+}
+#endif
+inline __m512 lane_fma(__m512 acc, const float* w, float x) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_set1_ps(x), acc);
+}
+
+// M rows of x [m, k] times one block of 32 outputs in the blocked layout: for each group of
+// inputs the block's weights are two 64-byte loads and each row's group one broadcast, so an
+// output is a sum over k in order, with no horizontal sum and no widening; 2 * M accumulators
+// stay in registers. The block is one contiguous stream of k * 32 weights.
+template <int M, typename T>
+void block_tile(const T* x, const T* w, float* out, int64_t k, int64_t n) {
+  using Lane = std::conditional_t<std::is_same_v<T, float>, float, int32_t>;
+  constexpr int64_t G = sizeof(Lane) / sizeof(T);
+  __m512 lo[M], hi[M];
+  for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  const auto* xl = reinterpret_cast<const Lane*>(x);
+  const char* ahead = reinterpret_cast<const char*>(w) + BLOCK_PREFETCH_BYTES;
+  for (int64_t p = 0; p < k / G; ++p, ahead += 128) {
+    _mm_prefetch(ahead, _MM_HINT_T1);
+    _mm_prefetch(ahead + 64, _MM_HINT_T1);
+    const T* wp = w + p * BLOCK * G;
+    for (int i = 0; i < M; ++i) {
+      const Lane xv = xl[i * k / G + p];
+      lo[i] = lane_fma(lo[i], wp, xv);
+      hi[i] = lane_fma(hi[i], wp + 16 * G, xv);
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    _mm512_storeu_ps(out + i * n, lo[i]);
+    _mm512_storeu_ps(out + i * n + 16, hi[i]);
+  }
+}
+
+// The float32 sums of x [m, k] @ w.T for a weight [n, k] in the blocked layout, a block at a
+// time: up to 12 rows of x in registers, more rows meeting the block again while it is in cache,
+// so the weights stream from memory once.
+template <typename T>
+void block_linear_sums(const T* x, const T* w, float* out, int64_t m, int64_t k, int64_t n) {
+  for (int64_t b = 0; b < n; b += BLOCK) {
+    const T* wb = w + b * k;
+    for (int64_t i = 0; i < m; i += 12) {
+      const T* xi = x + i * k;
+      float* oi = out + i * n + b;
+      switch (std::min<int64_t>(12, m - i)) {
+        case 1: block_tile<1>(xi, wb, oi, k, n); break;
+        case 2: block_tile<2>(xi, wb, oi, k, n); break;
+        case 3: block_tile<3>(xi, wb, oi, k, n); break;
+        case 4: block_tile<4>(xi, wb, oi, k, n); break;
+        case 5: block_tile<5>(xi, wb, oi, k, n); break;
+        case 6: block_tile<6>(xi, wb, oi, k, n); break;
+        case 7: block_tile<7>(xi, wb, oi, k, n); break;
+        case 8: block_tile<8>(xi, wb, oi, k, n); break;
+        case 9: block_tile<9>(xi, wb, oi, k, n); break;
+        case 10: block_tile<10>(xi, wb, oi, k, n); break;
+        case 11: block_tile<11>(xi, wb, oi, k, n); break;
+        default: block_tile<12>(xi, wb, oi, k, n); break;
+      }
+    }
+  }
+}
+#endif
+
+// Whether this build has the blocked kernel for T (layers/moe.py's can_block asks the CPU).
+template <typename T>
+constexpr bool has_block_kernel() {
+#if defined(__AVX512BF16__)
+  return true;
+#elif defined(__AVX512F__)
+  return std::is_same_v<T, float>;
+#else
+  return false;
+#endif
+}
+
+// Expert e's n rows from `lo` on raw memory: expert_linear's ops (the blocked kernel where the
+// blocked layout is given, else bf16's small_linear; rounded to T), silu_and_mul, the same for
+// the down projection, the weight applied and rounded, so the same bits, without the dozen
+// tensor allocations and dispatches per expert, which at a decode step's few rows per expert
+// cost as much as its matmuls.
+template <typename T>
+void raw_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w2,
+                const std::optional<at::Tensor>& blocked13,
+                const std::optional<at::Tensor>& blocked2, const at::Tensor& ws, at::Tensor& out,
+                int64_t e, int64_t lo, int64_t n) {
   const int64_t hidden = w13.size(2), inter = w2.size(2);
   thread_local std::vector<float> sums;
-  thread_local std::vector<bf16> gate_up, h;
+  thread_local std::vector<T> gate_up, h;
   sums.resize(n * std::max(2 * inter, hidden));
   gate_up.resize(n * 2 * inter);
   h.resize(n * inter);
-  const bf16* x = xs.data_ptr<bf16>() + lo * hidden;
-  small_linear_sums(x, w13.data_ptr<bf16>() + e * 2 * inter * hidden, sums.data(), n, hidden,
-                    2 * inter);
-  for (int64_t i = 0; i < n * 2 * inter; ++i) gate_up[i] = narrow<bf16>(sums[i]);
+  auto sums_of = [&](const T* a, const at::Tensor& w, const std::optional<at::Tensor>& blocked,
+                     int64_t k, int64_t outs) {
+#if defined(__AVX512F__)
+    if constexpr (has_block_kernel<T>())
+      if (blocked) return block_linear_sums(a, blocked->data_ptr<T>() + e * outs * k,
+                                            sums.data(), n, k, outs);
+#endif
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      return small_linear_sums(a, w.data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
+    TORCH_CHECK(false, "moe_experts: a float32 expert on raw memory needs the blocked layout");
+  };
+  const T* x = xs.data_ptr<T>() + lo * hidden;
+  sums_of(x, w13, blocked13, hidden, 2 * inter);
+  for (int64_t i = 0; i < n * 2 * inter; ++i) gate_up[i] = narrow<T>(sums[i]);
   for (int64_t i = 0; i < n; ++i) {
-    const bf16* g = gate_up.data() + i * 2 * inter;
+    const T* g = gate_up.data() + i * 2 * inter;
     silu_and_mul_row(g, g + inter, h.data() + i * inter, inter);
   }
-  small_linear_sums(h.data(), w2.data_ptr<bf16>() + e * hidden * inter, sums.data(), n, inter,
-                    hidden);
-  bf16* o = out.data_ptr<bf16>() + lo * hidden;
+  sums_of(h.data(), w2, blocked2, inter, hidden);
+  T* o = out.data_ptr<T>() + lo * hidden;
   dispatch(ws.scalar_type(), "moe_experts", [&](auto zero) {
     const auto* w = ws.data_ptr<decltype(zero)>() + lo;
     for (int64_t i = 0; i < n; ++i) {
       const float wi = widen(w[i]);
       for (int64_t j = 0; j < hidden; ++j)
-        o[i * hidden + j] = narrow<bf16>(widen(narrow<bf16>(sums[i * hidden + j])) * wi);
+        o[i * hidden + j] = narrow<T>(widen(narrow<T>(sums[i * hidden + j])) * wi);
     }
   });
 }
@@ -56,15 +159,18 @@ void small_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor&
 }  // namespace
 
 // x [T, H]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; packed13 / packed2: each
-// expert's oneDNN-packed weights, or empty; topk_ids [T, K] int64; topk_weights [T, K]. Returns
-// sum over k of weight * down(silu(gate(x)) * up(x)) per token, with every op as grouped_experts
-// runs it (so the same bits): each expert's matmuls on expert_linear()'s path for its row count
-// (the small-batch kernel for a bf16 expert of at most `small_rows` rows, else oneDNN), the
-// weight applied in its dtype and cast to x's, and each token's k outputs summed in ascending
-// expert order.
+// expert's oneDNN-packed weights, or empty; topk_ids [T, K] int64; topk_weights [T, K];
+// blocked13 / blocked2: w13 and w2 in the blocked layout, or none. Returns sum over k of weight *
+// down(silu(gate(x)) * up(x)) per token, with every op as grouped_experts runs it (so the same
+// bits): each expert's matmuls on expert_linear()'s path (the blocked kernel where the blocked
+// layout is given, else the small-batch kernel for a bf16 expert of at most `small_rows` rows,
+// else oneDNN), the weight applied in its dtype and cast to x's, and each token's k outputs
+// summed in ascending expert order.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
-                       const at::Tensor& topk_weights, int64_t small_rows) {
+                       const at::Tensor& topk_weights, int64_t small_rows,
+                       const std::optional<at::Tensor>& blocked13,
+                       const std::optional<at::Tensor>& blocked2) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2,
               "moe_experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.size(0) == x.size(0),
@@ -75,6 +181,14 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   TORCH_CHECK(!packed || (static_cast<int64_t>(packed13.size()) == num_experts &&
                           static_cast<int64_t>(packed2.size()) == num_experts),
               "moe_experts: one packed weight per expert");
+  TORCH_CHECK(blocked13.has_value() == blocked2.has_value() &&
+                  (!blocked13 ||
+                   (blocked13->numel() == w13.numel() && blocked2->numel() == w2.numel() &&
+                    blocked13->is_contiguous() && blocked2->is_contiguous() &&
+                    blocked13->scalar_type() == x.scalar_type() &&
+                    blocked2->scalar_type() == x.scalar_type())),
+              "moe_experts: blocked13 and blocked2 are both given (w13 and w2 in the blocked "
+              "layout, of x's dtype) or neither");
   // A stable counting sort of the slots by expert: torch.argsort(stable=True)'s order.
   const auto ids = topk_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -106,7 +220,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   const bool plain = w13.is_contiguous() && w2.is_contiguous();
   auto run = [&](int64_t e) {
     const int64_t lo = start[e], n = start[e + 1] - lo;
-    if (bf16 && plain && n <= small_rows) return small_expert(xs, w13, w2, ws, out, e, lo, n);
+    if (plain && blocked13 && !bf16)
+      return raw_expert<float>(xs, w13, w2, blocked13, blocked2, ws, out, e, lo, n);
+    if (plain && bf16 && (blocked13 || n <= small_rows))
+      return raw_expert<at::BFloat16>(xs, w13, w2, blocked13, blocked2, ws, out, e, lo, n);
     const auto rows = xs.narrow(0, lo, n);
     const auto& a = packed ? packed13[e] : w13[e];
     const auto& b = packed ? packed2[e] : w2[e];
@@ -134,6 +251,43 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     if (error) std::rethrow_exception(error);
   }
   return at::zeros_like(x).index_add_(0, token_t, out);
+}
+
+// x [m, k] @ w.T for a weight [n, k] given in the blocked layout [n / 32, k / G, 32, G], rounded to
+// x's dtype (layers/moe.py's expert_linear on block-packed experts): the blocks of 32 outputs
+// spread over the threads, each output's sum as moe_experts computes it.
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked) {
+  TORCH_CHECK(x.dim() == 2 && blocked.dim() == 4 && blocked.size(2) == BLOCK &&
+                  x.size(1) == blocked.size(1) * blocked.size(3) &&
+                  blocked.size(3) * blocked.element_size() == 4,
+              "blocked_linear: x [m, k] and the blocked layout [n / 32, k / G, 32, G] expected");
+  TORCH_CHECK(x.scalar_type() == blocked.scalar_type() && blocked.is_contiguous(),
+              "blocked_linear: x and a contiguous blocked weight of one dtype expected");
+  const auto xc = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = blocked.size(0) * BLOCK;
+  auto out = at::empty({m, n}, x.options());
+  dispatch(x.scalar_type(), "blocked_linear", [&](auto zero) {
+    using T = decltype(zero);
+    TORCH_CHECK(has_block_kernel<T>(), "blocked_linear: this build has no kernel for ",
+                x.scalar_type());
+#if defined(__AVX512F__)
+    if constexpr (has_block_kernel<T>()) {
+      const T* xp = xc.data_ptr<T>();
+      const T* wp = blocked.data_ptr<T>();
+      T* op = out.data_ptr<T>();
+      at::parallel_for(0, n / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+        std::vector<float> sums(m * BLOCK);
+        for (int64_t b = b0; b < b1; ++b) {
+          block_linear_sums(xp, wp + b * BLOCK * k, sums.data(), m, k, BLOCK);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < BLOCK; ++j)
+              op[i * n + b * BLOCK + j] = narrow<T>(sums[i * BLOCK + j]);
+        }
+      });
+    }
+#endif
+  });
+  return out;
 }
 
 }  // namespace hotswap

@@ -47,10 +47,13 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                        const std::optional<at::Tensor>& scale = std::nullopt);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
-                       const at::Tensor& topk_weights, int64_t small_rows);
+                       const at::Tensor& topk_weights, int64_t small_rows,
+                       const std::optional<at::Tensor>& blocked13,
+                       const std::optional<at::Tensor>& blocked2);
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked);
 // The Hadamard block of an int8 linear with k inputs (layers/quant.py's hadamard_block): the
-// largest power of two dividing k, at most 64.
-inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 64); }
+// largest power of two dividing k, at most 512.
+inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 512); }
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,

@@ -14,6 +14,8 @@ from hotswap.engine.layers.linear import pack
 from hotswap.engine.layers.moe import (
     ExpertPacks,
     FusedMoE,
+    block_pack,
+    can_block,
     Routing,
     fused_experts,
     grouped_experts,
@@ -54,20 +56,71 @@ def test_grouped_experts_equal_a_per_token_reference(dtype, tol, tokens, top_k):
     assert torch.allclose(got.float(), want, atol=tol * want.abs().max().item(), rtol=0)
 
 
+def packs_of(packing: str, w13: torch.Tensor, w2: torch.Tensor) -> ExpertPacks | None:
+    if packing == "onednn":
+        return ExpertPacks([pack(w) for w in w13], [pack(w) for w in w2])
+    if packing == "blocked":
+        if not can_block(w13, w2):
+            pytest.skip("the blocked kernel needs AVX-512 (and AVX512-BF16 for bf16)")
+        return ExpertPacks([], [], block_pack(w13), block_pack(w2))
+    return None
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packing", ["none", "onednn", "blocked"])
 @pytest.mark.parametrize("tokens,top_k", [(64, 2), (TOKENS, TOP_K), (1, 4), (3, 1)])
-def test_the_cpu_kernel_gives_the_torch_paths_bits(dtype, packed, tokens, top_k):
-    """Same ops, same paths (the small-batch kernel for a bf16 expert of a few rows, oneDNN
-    packed or plain otherwise), so the same bits; Mixtral's float32 weights too."""
+def test_the_cpu_kernel_gives_the_torch_paths_bits(dtype, packing, tokens, top_k):
+    """Same ops, same paths (the blocked kernel where the experts are in the blocked layout, the
+    small-batch kernel for a bf16 expert of a few rows, oneDNN packed or plain otherwise), so the
+    same bits; Mixtral's float32 weights too."""
     x, w13, w2, routing = random_case(dtype, tokens=tokens, top_k=top_k)
-    packs = ExpertPacks([pack(w) for w in w13], [pack(w) for w in w2]) if packed else None
+    packs = packs_of(packing, w13, w2)
     for weights_dtype in (dtype, torch.float32):
         routed = Routing(routing.topk_ids, routing.topk_weights.to(weights_dtype))
         want = grouped_experts(x, w13, w2, routed, packs)
         with torch.inference_mode():
             assert torch.equal(fused_experts(x, w13, w2, routed, packs), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 32), (13, 64, 34), (30, 96, 512)])
+def test_the_blocked_kernel_multiplies_what_the_layout_holds(dtype, m, n, k):
+    """blocked_linear over block_pack(w) equals x @ w.T summed in float32 and rounded once to
+    x's dtype, past 12 rows of x (a second tile) and for k not a multiple of 32."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(1, n, k, generator=gen).to(dtype)
+    if not can_block(w, w):
+        pytest.skip("the blocked kernel needs AVX-512 (and AVX512-BF16 for bf16)")
+    got = cpu_kernels.blocked_linear(x, block_pack(w)[0])
+    want = x.double() @ w[0].double().T
+    assert got.dtype == dtype and got.shape == (m, n)
+    # float32 sums (and one rounding to bf16): within float32's error of a k-term sum, or bf16's.
+    ulp = 2 ** -8 if dtype == torch.bfloat16 else 0.0
+    err = (got.double() - want).abs()
+    assert (err <= ulp * want.abs() + 1e-5 * k).all(), err.max()
+    with pytest.raises(RuntimeError, match="blocked layout"):
+        cpu_kernels.blocked_linear(x[:, :-2], block_pack(w)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_keeps_its_experts_in_the_blocked_layout_where_the_kernel_applies(dtype):
+    layer = FusedMoE(HIDDEN, INTER, EXPERTS, TOP_K, True, False).to(dtype)
+    torch.nn.init.normal_(layer.w13)
+    torch.nn.init.normal_(layer.w2)
+    layer.pack_weights(True)
+    group = 4 // layer.w13.element_size()
+    if can_block(layer.w13, layer.w2):
+        assert layer.packs.w13 == []
+        assert layer.packs.blocked13.shape == (EXPERTS, 1, HIDDEN // group, 32, group)
+        # block 0, input group 5, output 7: w13[e, 7, 5 * group: 6 * group]
+        assert torch.equal(layer.packs.blocked13[2, 0, 5, 7],
+                           layer.w13[2, 7, 5 * group: 6 * group].detach())
+    else:
+        assert layer.packs is None or layer.packs.blocked13 is None
+    layer.pack_weights(False)
+    assert layer.packs is None
 
 
 def test_idle_experts_are_never_multiplied(monkeypatch):

@@ -87,7 +87,8 @@ def test_rows_are_independent():
 
 
 def test_zero_rows_and_hadamard_block():
-    assert [quant.hadamard_block(k) for k in (64, 576, 1536, 48, 30, 7)] == [64, 64, 64, 16, 2, 1]
+    assert [quant.hadamard_block(k) for k in (64, 576, 1536, 48, 30, 7, 2048)] == [
+        64, 64, 512, 16, 2, 1, 512]
     h = quant.hadamard(16)
     torch.testing.assert_close(h @ h.T, torch.eye(16))
     qw = quant.quantize_weight(torch.randn(4, 64))
