@@ -1,6 +1,6 @@
 """Where a step's time goes: torch.profiler in the scheduler thread, ops grouped by kind.
 
-python bench/profile_step.py [--dtype bfloat16] [--batch 64] [--new 64] [--top 15]
+python bench/profile_step.py [--dtype bfloat16] [--quantization int8] [--batch 64] [--new 64] [--top 15]
 Runs `batch` chat prompts x `new` tokens (temperature 1, eos ignored) and profiles every step in
 the scheduler thread. Prints, for the prefill step and the mean decode step: matmuls, attention
 (scores, softmax, weighted sum), KV gather, KV store, norms/rotary/activations and other
@@ -22,7 +22,7 @@ from hotswap.engine import Engine
 from hotswap.engine.models.fetch import ensure_model
 
 MATMUL = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-          "aten::matmul", "hotswap::small_linear"}
+          "aten::matmul", "hotswap::small_linear", "hotswap::int8_linear", "aten::_int_mm"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::scaled_dot_product_attention", "hotswap::decode_attention"}
@@ -121,8 +121,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--top", type=int, default=0, help="also list the N costliest ops")
+    parser.add_argument("--quantization", choices=["int8"], default=None)
     args = parser.parse_args()
-    engine = Engine(ensure_model(args.model_path), dtype=args.dtype)
+    engine = Engine(ensure_model(args.model_path), dtype=args.dtype,
+                    quantization=args.quantization)
     instrument(engine)
     if engine.tokenizer.chat_template is not None:
         prompts = chat_prompts(engine.tokenizer, args.batch)

@@ -2,7 +2,7 @@
 
 python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c] [--repeats 1]
                            [--skip-hf] [--no-roofline] [--no-logprob-check]
-                           [--quantization int8]
+                           [--quantization int8 [--quantize-lm-head]]
 (a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
 (1) batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
 questions x 32 new tokens. Sampling at temperature 1.0, eos ignored on both sides so every
@@ -13,7 +13,8 @@ decode matmul shapes (oneDNN, packed weights) and the share of that roofline eac
 GB/s of weights read at batch 1, and the bf16 engine's logprob error against HF fp32 and bf16.
 With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
 first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
-tokens) are printed for each engine.
+tokens) are printed for each engine; with --quantize-lm-head its lm_head is int8 too (else the
+float32 head of the other engines).
 """
 
 from __future__ import annotations
@@ -205,12 +206,14 @@ def measure_read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
 
 
 def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
-                   fp32_head: bool, rows: int = 64) -> float:
+                   fp32_head: bool, rows: int = 64, int8_head: bool = False) -> float:
     """Tokens/s if a decode step of `rows` rows did nothing but its matmuls at measured speed
-    (dtype "int8": int8 layers, the head as bf16's)."""
+    (dtype "int8": int8 layers, the head as bf16's or, with `int8_head`, int8)."""
     step = 0.0
     for name, (_, _, count) in shapes.items():
-        if name == "lm_head" and fp32_head:
+        if name == "lm_head" and int8_head:
+            step += times["int8"][name]
+        elif name == "lm_head" and fp32_head:
             head = times["bfloat16" if dtype == "int8" else dtype]
             step += head.get("lm_head fp32", times["float32"]["lm_head"])
         elif name == "lm_head" and dtype == "int8":
@@ -220,12 +223,13 @@ def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
     return rows / step
 
 
-def weight_bytes(shapes: dict, dtype: str, fp32_head: bool) -> int:
+def weight_bytes(shapes: dict, dtype: str, fp32_head: bool, int8_head: bool = False) -> int:
     """Bytes of matmul weights one batch-1 decode step reads (with the CPU kernels built, the
     float32 head of a bf16 model reads the bf16 weights at 1 row: cpu_kernels.small_linear;
-    dtype "int8": int8 layers, a bf16 head)."""
+    dtype "int8": int8 layers, a bf16 head or, with `int8_head`, an int8 one)."""
     size = 1 if dtype == "int8" else torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     head = 4 if fp32_head and not cpu_kernels.available() else max(size, 2)
+    head = 1 if int8_head else head
     total = 0
     for name, (k, n, count) in shapes.items():
         total += k * n * count * (head if name == "lm_head" else size)
@@ -274,6 +278,8 @@ def main() -> None:
     parser.add_argument("--no-logprob-check", action="store_true")
     parser.add_argument("--quantization", choices=sorted(QUANTIZED), default=None,
                         help="also run a quantized engine (first in every round)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="the quantized engine's lm_head int8 too")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
     # Engine labels: the quantized engine, then one per dtype.
@@ -291,6 +297,9 @@ def main() -> None:
     kwargs = {"pack_weights": not args.no_pack_weights,
               "fp32_lm_head": not args.no_fp32_lm_head}
     specs = {dt: QUANTIZED.get(dt, (dt, {})) for dt in dtypes}
+    if args.quantization and args.quantize_lm_head:
+        base, options = specs[args.quantization]
+        specs[args.quantization] = (base, {**options, "quantize_lm_head": True})
     engines = {dt: ctx.Pool(1, initializer=_start_engine,
                             initargs=(path, specs[dt][0], {**kwargs, **specs[dt][1]}))
                for dt in dtypes}
@@ -317,11 +326,12 @@ def main() -> None:
             notes.insert(0, f"int8/bf16 {med['int8'] / med['bfloat16']:.2f}x")
         for dt in dtypes:
             head32 = kwargs["fp32_lm_head"] and dt != "float32"
+            head8 = specs[dt][1].get("quantize_lm_head", False)
             if name == "1":
-                gbs = med[dt] * weight_bytes(shapes, dt, head32) / 1e9
+                gbs = med[dt] * weight_bytes(shapes, dt, head32, head8) / 1e9
                 notes.append(f"{dt} {gbs:.1f} GB/s")
             elif not args.no_roofline and name in ("a", "b"):
-                roof = roofline_tok_s(shapes, times, dt, head32)
+                roof = roofline_tok_s(shapes, times, dt, head32, int8_head=head8)
                 notes.append(f"{dt} {med[dt] / roof:.0%} of {roof:.0f}")
         cols = "".join(f"{med[dt]:>18.1f}" for dt in dtypes)
         print(f"{name:<9}{cols}{hf_med:>10.1f}  {'; '.join(notes)}", flush=True)
