@@ -1,6 +1,7 @@
 """Where a step's time goes: torch.profiler in the scheduler thread, ops grouped by kind.
 
-python bench/profile_step.py [--dtype bfloat16] [--quantization int8] [--batch 64] [--new 64] [--top 15]
+python bench/profile_step.py [--dtype bfloat16] [--quantization int8] [--batch 64] [--new 64]
+                             [--top 15]
 Runs `batch` chat prompts x `new` tokens (temperature 1, eos ignored) and profiles every step in
 the scheduler thread. Prints, for the prefill step and the mean decode step: matmuls, attention
 (scores, softmax, weighted sum), KV gather, KV store, norms/rotary/activations and other

@@ -14,9 +14,9 @@ from hotswap.engine.layers.linear import pack
 from hotswap.engine.layers.moe import (
     ExpertPacks,
     FusedMoE,
+    Routing,
     block_pack,
     can_block,
-    Routing,
     fused_experts,
     grouped_experts,
     select_experts,
