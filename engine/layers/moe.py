@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import SMALL_ROWS, can_pack, linear, pack
 
 
@@ -48,13 +48,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(topk_ids, weights.to(weights_dtype))
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if cpu_kernels.applies(gate_up):
-        return cpu_kernels.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class ExpertPacks(NamedTuple):

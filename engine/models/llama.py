@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hotswap.engine.attention.base import FusedDecodeInputs
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import SMALL_ROWS, Linear, linear, matmul_path, pack
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.quant import QuantWeight
@@ -126,11 +126,7 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(self.layer_id, "gate_up", x, gate_up)
-        if cpu_kernels.applies(gate_up):
-            h = cpu_kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            h = F.silu(gate) * up
+        h = silu_and_mul(gate_up)
         out = _project(self.down_proj, h, residual)
         return out if lora is None else lora.apply(self.layer_id, "down", h, out)
 
