@@ -50,6 +50,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # The attention window the checkpoint's attention uses (Mistral-style sliding window), or
+    # None for full attention. Not implemented: the engine's context stops at it instead.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -89,6 +92,7 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            sliding_window=_sliding_window(cfg),
             **_moe_fields(arch, cfg),
         )
 
@@ -119,6 +123,15 @@ class ModelConfig:
     @property
     def has_dense_layers(self) -> bool:
         return not all(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window of a config whose attention slides (HF: Mixtral/Mistral whenever
+    `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`), else None."""
+    window = cfg.get("sliding_window")
+    if window is None or not cfg.get("use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -230,9 +243,24 @@ class EngineConfig:
         if self.ep_size != 1:
             raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
                              "tp_size splits every expert over the ranks instead")
-        context = self.context_length or model.max_position_embeddings
+        context = self._context_length(model)
         return replace(self, device=device, dtype=dtype, attention_backend=backend,
                        context_length=context)
+
+    def _context_length(self, model: ModelConfig) -> int:
+        """context_length, or the model's; within a sliding window, which is not implemented:
+        up to the window, full attention is what the checkpoint computes."""
+        window = model.sliding_window
+        if window is None or window >= (self.context_length or model.max_position_embeddings):
+            return self.context_length or model.max_position_embeddings
+        if self.context_length is not None:
+            raise ValueError(
+                f"context_length={self.context_length}: the model's attention slides over "
+                f"{window} tokens, which is not implemented; give context_length <= {window}")
+        logger.warning("the model's attention slides over %d tokens, which is not implemented: "
+                       "context_length set to %d (of max_position_embeddings %d)", window,
+                       window, model.max_position_embeddings)
+        return window
 
     def _check_quantization(self, device: str) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -110,3 +110,24 @@ def test_kv_pool_on_cuda_takes_mem_fraction_of_free_memory(monkeypatch, dtype):
     fixed = SimpleNamespace(config=EngineConfig(model_path="m", max_total_tokens=4096),
                             model_config=mcfg, dtype=dtype, device=torch.device("cuda", 1))
     assert ModelRunner._num_kv_tokens(fixed) == 4096
+
+
+def test_a_sliding_window_caps_the_context_it_does_not_implement(caplog):
+    """Mistral-style sliding-window attention is not implemented: by default the context stops
+    at the window (where full attention equals it), and a longer context_length is refused;
+    Qwen's `sliding_window` counts only with `use_sliding_window`."""
+    mixtral = {**TINY, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+               "max_position_embeddings": 32768}
+    assert ModelConfig.from_dict({**mixtral, "sliding_window": None}).sliding_window is None
+    windowed = ModelConfig.from_dict({**mixtral, "sliding_window": 4096})
+    assert windowed.sliding_window == 4096
+    with caplog.at_level("WARNING"):
+        assert EngineConfig("m", device="cpu").resolve(windowed).context_length == 4096
+    assert "not implemented" in caplog.text
+    shorter = EngineConfig("m", device="cpu", context_length=2048).resolve(windowed)
+    assert shorter.context_length == 2048
+    with pytest.raises(ValueError, match="give context_length <= 4096"):
+        EngineConfig("m", device="cpu", context_length=8192).resolve(windowed)
+    qwen = {**TINY, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 4096}
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).sliding_window is None
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": True}).sliding_window == 4096
