@@ -1,7 +1,8 @@
 """Mixture of experts: hotswap on a tiny-but-not-trivial Qwen3-MoE vs HF transformers `generate`
 on it, and vs hotswap on a dense Qwen3 of equal active parameters, in one run on one machine.
 
-python bench/moe.py [--dtype float32] [--workloads a,b,1] [--repeats 1] [--skip-hf]
+python bench/moe.py [--dtype float32] [--quantization int8] [--workloads a,b,1] [--repeats 1]
+                    [--skip-hf]
 The MoE: 8 layers, hidden 512, 8 query / 4 KV heads of 64, 32 experts of intermediate 256, top-4
 (norm_topk_prob), vocabulary 4096, random weights (std 0.05), written to a temp folder with a
 word-level tokenizer. The dense twin has the same attention, norms and head and one MLP of
@@ -94,9 +95,9 @@ def workloads(chosen: str) -> dict[str, tuple[list[list[int]], int, int]]:
 _ENGINE: Engine | None = None  # the engine of a worker process
 
 
-def _start_engine(path: str, dtype: str) -> None:
+def _start_engine(path: str, dtype: str, quantization: str | None) -> None:
     global _ENGINE
-    _ENGINE = Engine(path, dtype=dtype, device="cpu")
+    _ENGINE = Engine(path, dtype=dtype, device="cpu", quantization=quantization)
 
 
 def run_hotswap(prompts: list[list[int]], n: int, new: int) -> float:
@@ -127,6 +128,8 @@ def run_hf(path: str, prompts: list[list[int]], n: int, new: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtype", default="float32", help="the engines' dtype (HF: float32)")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="both engines int8 (the MoE's experts too; routers stay float)")
     parser.add_argument("--workloads", default="a,b,1")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
@@ -136,9 +139,11 @@ def main() -> None:
              "dense": write_model(os.path.join(root, "dense"), moe=False)}
     print(f"models in {root}: MoE {active_params(paths['moe']):.1f}M active weights per token "
           f"({EXPERTS} experts top-{TOP_K}), dense {active_params(paths['dense']):.1f}M; "
-          f"engines {args.dtype}, HF float32, torch threads {torch.get_num_threads()}")
+          f"engines {args.dtype} (quantization {args.quantization}), HF float32, torch threads "
+          f"{torch.get_num_threads()}")
     ctx = mp.get_context("spawn")
-    pools = {name: ctx.Pool(1, initializer=_start_engine, initargs=(path, args.dtype))
+    pools = {name: ctx.Pool(1, initializer=_start_engine,
+                            initargs=(path, args.dtype, args.quantization))
              for name, path in paths.items()}
     hf_pool = None if args.skip_hf else ctx.Pool(1)
     # Warm-up, one side at a time: every engine started and its matmul primitives built

@@ -25,6 +25,7 @@ from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import SMALL_ROWS, can_pack, linear, pack
+from hotswap.engine.layers.quant import QuantWeight, int8_linear, quantize_weight
 
 
 class Routing(NamedTuple):
@@ -62,6 +63,32 @@ class ExpertPacks(NamedTuple):
 
 
 CPU_FLAGS = read_cpu_flags()
+class ExpertQuant(NamedTuple):
+    """The int8 copies of every expert's w13 and w2 (quantization="int8"; layers/quant.py: per
+    output channel, rotated along k), rebuilt with the int8 copies of the linear layers."""
+
+    w13: torch.Tensor  # int8 [E, 2I, H]
+    scale13: torch.Tensor  # float32 [E, 2I]
+    w2: torch.Tensor  # int8 [E, H, I]
+    scale2: torch.Tensor  # float32 [E, H]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self)
+
+    def expert(self, e: int) -> tuple[QuantWeight, QuantWeight]:
+        return QuantWeight(self.w13[e], self.scale13[e]), QuantWeight(self.w2[e], self.scale2[e])
+
+
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
+    """Every expert's rows quantized as one linear weight's would be (rows are independent)."""
+    (e, two_i, hidden), inter = w13.shape, w2.shape[2]
+    q13 = quantize_weight(w13.reshape(e * two_i, hidden))
+    q2 = quantize_weight(w2.reshape(e * hidden, inter))
+    return ExpertQuant(q13.weight.view(e, two_i, hidden), q13.scale.view(e, two_i),
+                       q2.weight.view(e, hidden, inter), q2.scale.view(e, hidden))
+
+
 AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
 # Without the blocked layout, a bf16 expert of at most this many rows takes the small-batch kernel
 # (layers/linear.py's SMALL path): the experts of a step run one per thread, where it streams an
@@ -106,9 +133,11 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing,
-                    packs: ExpertPacks | None = None) -> torch.Tensor:
+                    packs: ExpertPacks | None = None, quant: ExpertQuant | None = None
+                    ) -> torch.Tensor:
     """sum over k of weight * down(silu(gate(x)) * up(x)) per token, one matmul pair per expert
-    that got tokens: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]."""
+    that got tokens: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; with `quant`, the int8
+    copies instead (layers/quant.py's int8_linear)."""
     ids, weights = routing
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
@@ -124,6 +153,11 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
     for e, n, end in zip(active.tolist(), counts[active].tolist(), ends.tolist(), strict=True):
         p13, p2 = (packs.w13[e], packs.w2[e]) if packs.w13 else (None, None)
         q13, q2 = (packs.blocked13[e], packs.blocked2[e]) if blocked else (None, None)
+        if quant is not None:
+            i13, i2 = quant.expert(e)
+            h = silu_and_mul(int8_linear(xs[end - n: end], i13))
+            out[end - n: end] = int8_linear(h, i2)
+            continue
         h = silu_and_mul(expert_linear(xs[end - n: end], w13[e], p13, q13))
         out[end - n: end] = expert_linear(h, w2[e], p2, q2)
     out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
@@ -131,10 +165,11 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing,
-                  packs: ExpertPacks | None = None) -> torch.Tensor:
+                  packs: ExpertPacks | None = None, quant: ExpertQuant | None = None
+                  ) -> torch.Tensor:
     """The experts' weighted sum per token: the Triton grouped GEMM on CUDA, the C++ kernel on
     CPU for inference (grouped_experts' ops, called without Python between them and the experts
-    spread over the threads), else torch."""
+    spread over the threads), else torch; with `quant` (CPU only), the int8 copies."""
     if x.is_cuda:
         from hotswap.engine.layers import moe_triton
 
@@ -143,8 +178,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing:
         packs = packs or ExpertPacks([], [])
         return cpu_kernels.moe_experts(x, w13, w2, packs.w13, packs.w2, routing.topk_ids,
                                        routing.topk_weights, EXPERT_SMALL_ROWS, packs.blocked13,
-                                       packs.blocked2)
-    return grouped_experts(x, w13, w2, routing, packs)
+                                       packs.blocked2, list(quant or ()))
+    return grouped_experts(x, w13, w2, routing, packs, quant)
 
 
 class FusedMoE(nn.Module):
@@ -166,17 +201,27 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.packs: ExpertPacks | None = None  # kept current by the ModelRunner, as Linear's
+        # Kept current by the ModelRunner, as Linear's packed and int8 copies.
+        self.packs: ExpertPacks | None = None
+        self.quant: ExpertQuant | None = None
 
     def pack_weights(self, enable: bool) -> None:
         """Rebuild (or drop) the packed copies of the experts' weights: the blocked layout
         where its kernel applies, else oneDNN's where packing applies (about a fifth faster at
-        the few rows an expert gets in a decode step)."""
+        the few rows an expert gets in a decode step); none beside int8 copies."""
         self.packs = None
-        if enable and can_block(self.w13, self.w2):
+        if not enable or self.quant is not None:
+            return
+        if can_block(self.w13, self.w2):
             self.packs = ExpertPacks([], [], block_pack(self.w13), block_pack(self.w2))
-        elif enable and can_pack(self.w13[0]):
+        elif can_pack(self.w13[0]):
             self.packs = ExpertPacks([pack(w) for w in self.w13], [pack(w) for w in self.w2])
+
+    def quantize(self, enable: bool) -> int:
+        """Rebuild (or drop) the experts' int8 copies (the router stays in the model's dtype);
+        returns their bytes."""
+        self.quant = quantize_experts(self.w13.detach(), self.w2.detach()) if enable else None
+        return self.quant.nbytes if self.quant is not None else 0
 
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> Routing:
         weights_dtype = torch.float32 if self.fp32_weights else x.dtype
@@ -189,5 +234,5 @@ class FusedMoE(nn.Module):
             raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
                              f"{(len(x), self.top_k)}")
         routing = self.route(x, topk_ids)
-        return MoEOutput(fused_experts(x, self.w13, self.w2, routing, self.packs),
+        return MoEOutput(fused_experts(x, self.w13, self.w2, routing, self.packs, self.quant),
                          routing.topk_ids)

@@ -24,8 +24,8 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual, "
         "int block) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor[] packed13, Tensor[] packed2, "
-        "Tensor topk_ids, Tensor topk_weights, int small_rows, Tensor? blocked13, Tensor? blocked2) "
-        "-> Tensor");
+        "Tensor topk_ids, Tensor topk_weights, int small_rows, Tensor? blocked13, "
+        "Tensor? blocked2, Tensor[] quant) -> Tensor");
   m.def("blocked_linear(Tensor x, Tensor blocked) -> Tensor");
   m.def("head_amx() -> bool");
   m.def("head_pack(Tensor weight) -> Tensor");

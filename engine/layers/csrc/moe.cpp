@@ -160,9 +160,11 @@ void raw_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w
 
 // x [T, H]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; packed13 / packed2: each
 // expert's oneDNN-packed weights, or empty; topk_ids [T, K] int64; topk_weights [T, K];
-// blocked13 / blocked2: w13 and w2 in the blocked layout, or none. Returns sum over k of weight *
-// down(silu(gate(x)) * up(x)) per token, with every op as grouped_experts runs it (so the same
-// bits): each expert's matmuls on expert_linear()'s path (the blocked kernel where the blocked
+// blocked13 / blocked2: w13 and w2 in the blocked layout, or none; quant: the experts' int8
+// copies (w13 int8 [E, 2I, H], its scales [E, 2I], w2 int8 [E, H, I], its scales [E, H]) or
+// empty. Returns sum over k of weight * down(silu(gate(x)) * up(x)) per token, with every op as
+// grouped_experts runs it (so the same bits): each expert's matmuls on its path (int8_linear
+// over the int8 copies where given, else expert_linear()'s: the blocked kernel where the blocked
 // layout is given, else the small-batch kernel for a bf16 expert of at most `small_rows` rows,
 // else oneDNN), the weight applied in its dtype and cast to x's, and each token's k outputs
 // summed in ascending expert order.
@@ -170,7 +172,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, int64_t small_rows,
                        const std::optional<at::Tensor>& blocked13,
-                       const std::optional<at::Tensor>& blocked2) {
+                       const std::optional<at::Tensor>& blocked2, at::TensorList quant) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2,
               "moe_experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.size(0) == x.size(0),
@@ -189,6 +191,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
                     blocked2->scalar_type() == x.scalar_type())),
               "moe_experts: blocked13 and blocked2 are both given (w13 and w2 in the blocked "
               "layout, of x's dtype) or neither");
+  TORCH_CHECK(quant.empty() || (quant.size() == 4 && quant[0].sizes() == w13.sizes() &&
+                                quant[2].sizes() == w2.sizes()),
+              "moe_experts: quant is empty or the experts' int8 w13, its scales, int8 w2, its "
+              "scales");
   // A stable counting sort of the slots by expert: torch.argsort(stable=True)'s order.
   const auto ids = topk_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -220,6 +226,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   const bool plain = w13.is_contiguous() && w2.is_contiguous();
   auto run = [&](int64_t e) {
     const int64_t lo = start[e], n = start[e + 1] - lo;
+    if (!quant.empty()) {
+      const auto rows = xs.narrow(0, lo, n);
+      const auto h = silu_and_mul(int8_linear(rows, quant[0][e], quant[1][e], std::nullopt,
+                                              std::nullopt, hadamard_block(rows.size(1))));
+      const auto y = int8_linear(h, quant[2][e], quant[3][e], std::nullopt, std::nullopt,
+                                 hadamard_block(h.size(1)));
+      out.narrow(0, lo, n).copy_(y.mul(ws.narrow(0, lo, n).unsqueeze(1)));
+      return;
+    }
     if (plain && blocked13 && !bf16)
       return raw_expert<float>(xs, w13, w2, blocked13, blocked2, ws, out, e, lo, n);
     if (plain && bf16 && (blocked13 || n <= small_rows))

@@ -49,7 +49,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, int64_t small_rows,
                        const std::optional<at::Tensor>& blocked13,
-                       const std::optional<at::Tensor>& blocked2);
+                       const std::optional<at::Tensor>& blocked2, at::TensorList quant);
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked);
 // The Hadamard block of an int8 linear with k inputs (layers/quant.py's hadamard_block): the
 // largest power of two dividing k, at most 512.

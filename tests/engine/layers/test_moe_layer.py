@@ -19,6 +19,7 @@ from hotswap.engine.layers.moe import (
     can_block,
     fused_experts,
     grouped_experts,
+    quantize_experts,
     select_experts,
 )
 
@@ -121,6 +122,37 @@ def test_a_layer_keeps_its_experts_in_the_blocked_layout_where_the_kernel_applie
         assert layer.packs is None or layer.packs.blocked13 is None
     layer.pack_weights(False)
     assert layer.packs is None
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k", [(64, 2), (TOKENS, TOP_K), (1, 4)])
+def test_int8_experts_give_the_torch_paths_bits_close_to_float(dtype, tokens, top_k):
+    """quantization="int8": every expert's two matmuls take its int8 copies (int8_linear), in the
+    C++ kernel as in torch, with the same bits; the result within int8's error of the float
+    experts."""
+    x, w13, w2, routing = random_case(dtype, tokens=tokens, top_k=top_k)
+    quant = quantize_experts(w13, w2)
+    assert quant.w13.dtype == quant.w2.dtype == torch.int8
+    assert quant.w13.shape == w13.shape and quant.scale2.shape == w2.shape[:2]
+    want = grouped_experts(x, w13, w2, routing, quant=quant)
+    with torch.inference_mode():
+        assert torch.equal(fused_experts(x, w13, w2, routing, quant=quant), want)
+    ref = naive(x, w13, w2, routing)
+    err = (want.float() - ref).abs().max() / ref.abs().max()
+    assert err < 0.05, err
+    assert (want.float() - grouped_experts(x, w13, w2, routing).float()).abs().max() > 0
+
+
+def test_an_int8_layer_keeps_no_packed_copy():
+    layer = FusedMoE(HIDDEN, INTER, EXPERTS, TOP_K, True, False)
+    torch.nn.init.normal_(layer.w13)
+    torch.nn.init.normal_(layer.w2)
+    assert layer.quantize(True) == layer.quant.nbytes == EXPERTS * 3 * HIDDEN * INTER + 4 * (
+        EXPERTS * (2 * INTER + HIDDEN))
+    layer.pack_weights(True)
+    assert layer.packs is None
+    assert layer.quantize(False) == 0 and layer.quant is None
 
 
 def test_idle_experts_are_never_multiplied(monkeypatch):

@@ -286,6 +286,55 @@ def test_tp2_equals_tp1_and_updates_in_both_namings(moe, arch):
         assert_close(run(two), want_b)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_experts_serve_close_to_float_and_every_update_requantizes_them(moe, arch,
+                                                                              tmp_path):
+    """quantization="int8" quantizes the experts too (the routers stay float): logprobs close to
+    the float engine's; an update, whole or of some experts, re-quantizes them inside its
+    transaction, so the engine then equals a fresh int8 engine loaded with the same weights;
+    TP=2 (each rank quantizing its part of every expert) stays close to TP=1."""
+    from hotswap.engine.layers.moe import FusedMoE
+
+    with engine(moe[arch, "a"]) as eng:
+        want = run(eng)
+    with engine(moe[arch, "b"], quantization="int8") as fresh:
+        want_b = run(fresh)
+    a = load_file(f"{moe[arch, 'a']}/model.safetensors")
+    b = load_file(f"{moe[arch, 'b']}/model.safetensors")
+    expert = "block_sparse_moe.experts" if arch == "mixtral" else "mlp.experts"
+    some = {n: t for n, t in a.items() if f"layers.0.{expert}.1." in n}
+    mixed = str(tmp_path / "mixed")  # b, with a's expert 1 of layer 0
+    shutil.copytree(moe[arch, "b"], mixed)
+    save_file({**b, **some}, f"{mixed}/model.safetensors")
+    with engine(mixed, quantization="int8") as fresh:
+        want_mixed = run(fresh)
+    with engine(moe[arch, "a"], quantization="int8") as eng:
+        layers = [m for m in eng.scheduler.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert layers and all(m.quant is not None and m.packs is None for m in layers)
+        got_a = run(eng)
+        for (ids, lps), (want_ids, want_lps) in zip(got_a, want, strict=True):
+            same = sum(x == y for x, y in zip(ids, want_ids))
+            assert same >= NEW_TOKENS // 2 and abs(lps[0] - want_lps[0]) < 0.05
+        stacked_b = load_file(f"{moe[arch, 'b-stacked']}/model.safetensors")
+        assert eng.update_weights_from_tensor(stacked_b)["success"]
+        assert run(eng) == want_b
+        assert eng.update_weights_from_disk(moe[arch, "a"])["success"]
+        assert run(eng) == got_a
+        sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
+                              timeout_s=60)
+        try:
+            assert sender.send(b, [eng], weight_version="b2")[0]["success"]
+        finally:
+            sender.close([eng])
+        assert run(eng) == want_b
+        assert eng.update_weights_from_tensor(some)["success"]
+        assert run(eng) == want_mixed
+        eng.check_integrity()
+    with engine(moe[arch, "a"], quantization="int8", tp_size=2) as two:
+        for (_, lps), (_, want_lps) in zip(run(two), got_a, strict=True):
+            assert abs(lps[0] - want_lps[0]) < 0.05
+
+
 def test_released_weights_come_back_with_a_complete_stacked_update(moe):
     with engine(moe["qwen3_moe", "a"]) as eng:
         want = run(eng)
