@@ -63,21 +63,51 @@ class ExpertPacks(NamedTuple):
 
 
 CPU_FLAGS = read_cpu_flags()
+AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
+AVX512_VNNI = "avx512_vnni" in CPU_FLAGS
+# Without the blocked layout, a bf16 expert of at most this many rows takes the small-batch kernel
+# (layers/linear.py's SMALL path): the experts of a step run one per thread, where it streams an
+# expert's weights faster than oneDNN up to ~32-48 rows (AVX512-BF16 EPYC, bench/moe.py's shapes;
+# without AVX512-BF16 unmeasured, so the dense threshold).
+EXPERT_SMALL_ROWS = 32 if AVX512_BF16 else SMALL_ROWS
+BLOCK = 32  # outputs per block of the blocked layout (csrc/moe.cpp)
+
+
 class ExpertQuant(NamedTuple):
     """The int8 copies of every expert's w13 and w2 (quantization="int8"; layers/quant.py: per
-    output channel, rotated along k), rebuilt with the int8 copies of the linear layers."""
+    output channel, rotated along k), rebuilt with the int8 copies of the linear layers; on a
+    CPU with AVX512-VNNI also in the int8 blocked layout (vnni_pack) for csrc's VNNI kernel,
+    which an expert of a few rows takes (exact int32 sums: the same bits as torch._int_mm)."""
 
     w13: torch.Tensor  # int8 [E, 2I, H]
     scale13: torch.Tensor  # float32 [E, 2I]
     w2: torch.Tensor  # int8 [E, H, I]
     scale2: torch.Tensor  # float32 [E, H]
+    blocked13: torch.Tensor | None = None  # vnni_pack(w13)
+    comp13: torch.Tensor | None = None
+    blocked2: torch.Tensor | None = None  # vnni_pack(w2)
+    comp2: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self)
+        return sum(t.nbytes for t in self if t is not None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What cpu_kernels.moe_experts takes: the four copies, then the blocked four if any."""
+        return [t for t in self if t is not None]
 
     def expert(self, e: int) -> tuple[QuantWeight, QuantWeight]:
         return QuantWeight(self.w13[e], self.scale13[e]), QuantWeight(self.w2[e], self.scale2[e])
+
+
+def vnni_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked int8 weights [E, n, k] in the int8 blocked layout [E, n / 32, k / 4, 32, 4] (for
+    each block of 32 outputs and each group of 4 inputs, the 32 outputs' 4 weights side by side:
+    one VNNI lane each), and the compensation 128 * sum_k q [E, n] int32 that turns the kernel's
+    u8 x s8 sums of x + 128 back into x's."""
+    e, n, k = q.shape
+    blocked = q.view(e, n // BLOCK, BLOCK, k // 4, 4).permute(0, 1, 3, 2, 4).contiguous()
+    return blocked, 128 * q.sum(dim=2, dtype=torch.int32)
 
 
 def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
@@ -85,17 +115,14 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
     (e, two_i, hidden), inter = w13.shape, w2.shape[2]
     q13 = quantize_weight(w13.reshape(e * two_i, hidden))
     q2 = quantize_weight(w2.reshape(e * hidden, inter))
-    return ExpertQuant(q13.weight.view(e, two_i, hidden), q13.scale.view(e, two_i),
-                       q2.weight.view(e, hidden, inter), q2.scale.view(e, hidden))
-
-
-AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
-# Without the blocked layout, a bf16 expert of at most this many rows takes the small-batch kernel
-# (layers/linear.py's SMALL path): the experts of a step run one per thread, where it streams an
-# expert's weights faster than oneDNN up to ~32-48 rows (AVX512-BF16 EPYC, bench/moe.py's shapes;
-# without AVX512-BF16 unmeasured, so the dense threshold).
-EXPERT_SMALL_ROWS = 32 if AVX512_BF16 else SMALL_ROWS
-BLOCK = 32  # outputs per block of the blocked layout (csrc/moe.cpp)
+    quant = ExpertQuant(q13.weight.view(e, two_i, hidden), q13.scale.view(e, two_i),
+                        q2.weight.view(e, hidden, inter), q2.scale.view(e, hidden))
+    if not (AVX512_VNNI and cpu_kernels.applies(w13) and two_i % BLOCK == 0
+            and hidden % BLOCK == 0 and hidden % 4 == 0 and inter % 4 == 0):
+        return quant
+    blocked13, comp13 = vnni_pack(quant.w13)
+    blocked2, comp2 = vnni_pack(quant.w2)
+    return quant._replace(blocked13=blocked13, comp13=comp13, blocked2=blocked2, comp2=comp2)
 
 
 def can_block(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -178,7 +205,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing:
         packs = packs or ExpertPacks([], [])
         return cpu_kernels.moe_experts(x, w13, w2, packs.w13, packs.w2, routing.topk_ids,
                                        routing.topk_weights, EXPERT_SMALL_ROWS, packs.blocked13,
-                                       packs.blocked2, list(quant or ()))
+                                       packs.blocked2, quant.tensors() if quant else [])
     return grouped_experts(x, w13, w2, routing, packs, quant)
 
 

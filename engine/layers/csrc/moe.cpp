@@ -156,18 +156,70 @@ void raw_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w
   });
 }
 
+// Expert e's n rows from `lo` over its int8 copies on raw memory (AVX512-VNNI): int8_linear's
+// ops (each row quantized as quantize_rows does, the exact int32 sums, the same rescaling), so
+// the same bits, for both matmuls, silu_and_mul between them, the weight applied as above.
+// quant: w13, scale13, w2, scale2 (unused here), then w13 and w2 in the int8 blocked layout with
+// their compensations (layers/moe.py's ExpertQuant).
+template <typename T>
+void raw_int8_expert(const at::Tensor& xs, at::TensorList quant, const at::Tensor& ws,
+                     at::Tensor& out, int64_t e, int64_t lo, int64_t n) {
+  const int64_t hidden = quant[0].size(2), inter = quant[2].size(2);
+  thread_local std::vector<float> scratch, row_scale;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<int32_t> acc;
+  thread_local std::vector<T> gate_up, h, y;
+  // dst [n, outs] = a [n, k] @ W.T from W's int8 copy: blocked, its compensation, its scales.
+  auto int8_matmul = [&](const T* a, int64_t k, int64_t outs, const at::Tensor& blocked,
+                         const at::Tensor& comp, const at::Tensor& scale, T* dst) {
+    scratch.resize(k);
+    q.resize(n * k);
+    row_scale.resize(n);
+    acc.resize(n * outs);
+    const int64_t block = hadamard_block(k);
+    for (int64_t i = 0; i < n; ++i)
+      row_scale[i] = quantize_row(a + i * k, scratch.data(), q.data() + i * k, k, block);
+    vnni_sums(q.data(), blocked.data_ptr<int8_t>() + e * outs * k,
+              comp.data_ptr<int32_t>() + e * outs, acc.data(), n, k, outs);
+    const float* sw = scale.data_ptr<float>() + e * outs;
+    for (int64_t i = 0; i < n; ++i)
+      rescale_row<T>(acc.data() + i * outs, row_scale[i], sw, nullptr, nullptr, dst + i * outs,
+                     outs);
+  };
+  gate_up.resize(n * 2 * inter);
+  h.resize(n * inter);
+  y.resize(n * hidden);
+  int8_matmul(xs.data_ptr<T>() + lo * hidden, hidden, 2 * inter, quant[4], quant[5], quant[1],
+              gate_up.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const T* g = gate_up.data() + i * 2 * inter;
+    silu_and_mul_row(g, g + inter, h.data() + i * inter, inter);
+  }
+  int8_matmul(h.data(), inter, hidden, quant[6], quant[7], quant[3], y.data());
+  T* o = out.data_ptr<T>() + lo * hidden;
+  dispatch(ws.scalar_type(), "moe_experts", [&](auto zero) {
+    const auto* w = ws.data_ptr<decltype(zero)>() + lo;
+    for (int64_t i = 0; i < n; ++i) {
+      const float wi = widen(w[i]);
+      for (int64_t j = 0; j < hidden; ++j)
+        o[i * hidden + j] = narrow<T>(widen(y[i * hidden + j]) * wi);
+    }
+  });
+}
+
 }  // namespace
 
 // x [T, H]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]; packed13 / packed2: each
 // expert's oneDNN-packed weights, or empty; topk_ids [T, K] int64; topk_weights [T, K];
 // blocked13 / blocked2: w13 and w2 in the blocked layout, or none; quant: the experts' int8
-// copies (w13 int8 [E, 2I, H], its scales [E, 2I], w2 int8 [E, H, I], its scales [E, H]) or
-// empty. Returns sum over k of weight * down(silu(gate(x)) * up(x)) per token, with every op as
-// grouped_experts runs it (so the same bits): each expert's matmuls on its path (int8_linear
-// over the int8 copies where given, else expert_linear()'s: the blocked kernel where the blocked
-// layout is given, else the small-batch kernel for a bf16 expert of at most `small_rows` rows,
-// else oneDNN), the weight applied in its dtype and cast to x's, and each token's k outputs
-// summed in ascending expert order.
+// copies (w13 int8 [E, 2I, H], its scales [E, 2I], w2 int8 [E, H, I], its scales [E, H], then
+// where the VNNI kernel applies w13 and w2 in the int8 blocked layout and their compensations)
+// or empty. Returns sum over k of weight * down(silu(gate(x)) * up(x)) per token, with every op
+// as grouped_experts runs it (so the same bits): each expert's matmuls on its path (int8_linear
+// over the int8 copies where given, its int32 sums exact whichever kernel makes them, else
+// expert_linear()'s: the blocked kernel where the blocked layout is given, else the small-batch
+// kernel for a bf16 expert of at most `small_rows` rows, else oneDNN), the weight applied in its
+// dtype and cast to x's, and each token's k outputs summed in ascending expert order.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, int64_t small_rows,
@@ -191,10 +243,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
                     blocked2->scalar_type() == x.scalar_type())),
               "moe_experts: blocked13 and blocked2 are both given (w13 and w2 in the blocked "
               "layout, of x's dtype) or neither");
-  TORCH_CHECK(quant.empty() || (quant.size() == 4 && quant[0].sizes() == w13.sizes() &&
-                                quant[2].sizes() == w2.sizes()),
+  TORCH_CHECK(quant.empty() || ((quant.size() == 4 || quant.size() == 8) &&
+                                quant[0].sizes() == w13.sizes() && quant[2].sizes() == w2.sizes()),
               "moe_experts: quant is empty or the experts' int8 w13, its scales, int8 w2, its "
-              "scales");
+              "scales (and both blocked, with their compensations)");
+  TORCH_CHECK(quant.size() != 8 || has_vnni_kernel(), "moe_experts: built without AVX512-VNNI");
   // A stable counting sort of the slots by expert: torch.argsort(stable=True)'s order.
   const auto ids = topk_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -226,6 +279,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   const bool plain = w13.is_contiguous() && w2.is_contiguous();
   auto run = [&](int64_t e) {
     const int64_t lo = start[e], n = start[e + 1] - lo;
+    if (quant.size() == 8) {
+      if (bf16) return raw_int8_expert<at::BFloat16>(xs, quant, ws, out, e, lo, n);
+      return raw_int8_expert<float>(xs, quant, ws, out, e, lo, n);
+    }
     if (!quant.empty()) {
       const auto rows = xs.narrow(0, lo, n);
       const auto h = silu_and_mul(int8_linear(rows, quant[0][e], quant[1][e], std::nullopt,

@@ -55,6 +55,20 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked);
 // largest power of two dividing k, at most 512.
 inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 512); }
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block);
+// One row of quantize_rows: x [k] -> q [k] int8, its scale returned; `scratch` holds k floats.
+template <typename T>
+float quantize_row(const T* x, float* scratch, int8_t* q, int64_t k, int64_t block);
+// One row of int8_linear's rescaling: out[j] = acc[j] * s * ws[j] (+ bias[j]) (+ res[j]), in T.
+template <typename T>
+void rescale_row(const int32_t* acc, float s, const float* ws, const float* bias, const T* res,
+                 T* out, int64_t n);
+// Whether this build has vnni_sums (AVX512-VNNI).
+bool has_vnni_kernel();
+// out [m, n] = the exact int32 sums of q [m, k] @ w.T (s8 x s8) for a weight [n, k] in the int8
+// blocked layout [n / 32, k / 4, 32, 4] with comp[j] = 128 * sum_k w[j, k] (layers/quant.py's
+// vnni_pack): VNNI's u8 x s8 products of q + 128, less the compensation; k a multiple of 4.
+void vnni_sums(const int8_t* q, const int8_t* w, const int32_t* comp, int32_t* out, int64_t m,
+               int64_t k, int64_t n);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, int64_t block);

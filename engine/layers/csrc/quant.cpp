@@ -49,6 +49,8 @@ inline __m512 hadamard16(__m512 v) {
 }
 #endif
 
+}  // namespace
+
 // One row x [k] -> q [k] int8: rotated, then q = round(v * 127 / max|v|); returns the scale
 // max|v| / 127 of the normalised rotation (0 for a row of zeros, whose q are all 0). `v` is
 // scratch of k floats.
@@ -107,7 +109,100 @@ void rescale_row(const int32_t* acc, float s, const float* ws, const float* bias
   }
 }
 
+namespace {
+
+#if defined(__AVX512VNNI__)
+// Bytes ahead of its weight stream a VNNI tile asks for (into L2).
+constexpr int64_t VNNI_PREFETCH_BYTES = 8192;
+
+// M rows of x (as u8: q + 128, packed [k / 4][M] 32-bit groups) times one block of 32 outputs of
+// a weight in the int8 blocked layout [k / 4][32][4]: for each group of 4 inputs the block's
+// weights are two 64-byte loads and each row's group one broadcast; VNNI's u8 x s8 products of
+// 4 inputs summed into int32 lanes, exactly.
+template <int M>
+void vnni_tile(const int32_t* xg, const int8_t* w, int32_t* out, int64_t k, int64_t n) {
+  __m512i lo[M], hi[M];
+  for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+  const char* ahead = reinterpret_cast<const char*>(w) + VNNI_PREFETCH_BYTES;
+  for (int64_t p = 0; p < k / 4; ++p, ahead += 128) {
+    _mm_prefetch(ahead, _MM_HINT_T1);
+    _mm_prefetch(ahead + 64, _MM_HINT_T1);
+    const __m512i w0 = _mm512_loadu_si512(w + p * 128);
+    const __m512i w1 = _mm512_loadu_si512(w + p * 128 + 64);
+    for (int i = 0; i < M; ++i) {
+      const __m512i xv = _mm512_set1_epi32(xg[p * M + i]);
+      lo[i] = _mm512_dpbusd_epi32(lo[i], xv, w0);
+      hi[i] = _mm512_dpbusd_epi32(hi[i], xv, w1);
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    _mm512_storeu_si512(out + i * n, lo[i]);
+    _mm512_storeu_si512(out + i * n + 16, hi[i]);
+  }
+}
+#endif
+
 }  // namespace
+
+template float quantize_row<float>(const float*, float*, int8_t*, int64_t, int64_t);
+template float quantize_row<at::BFloat16>(const at::BFloat16*, float*, int8_t*, int64_t, int64_t);
+template void rescale_row<float>(const int32_t*, float, const float*, const float*, const float*,
+                                 float*, int64_t);
+template void rescale_row<at::BFloat16>(const int32_t*, float, const float*, const float*,
+                                        const at::BFloat16*, at::BFloat16*, int64_t);
+
+bool has_vnni_kernel() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void vnni_sums(const int8_t* q, const int8_t* w, const int32_t* comp, int32_t* out, int64_t m,
+               int64_t k, int64_t n) {
+#if defined(__AVX512VNNI__)
+  constexpr int64_t ROWS = 12;
+  // x's rows as u8 (q + 128: the sign bit flipped), each chunk of ROWS rows packed group-major
+  // so that a tile's broadcasts read consecutive words (one address register, not one per row).
+  thread_local std::vector<int32_t> packed;
+  packed.resize(((m + ROWS - 1) / ROWS) * ROWS * (k / 4));
+  const auto* q32 = reinterpret_cast<const int32_t*>(q);
+  for (int64_t c = 0; c * ROWS < m; ++c) {
+    const int64_t rows = std::min(ROWS, m - c * ROWS);
+    int32_t* dst = packed.data() + c * ROWS * (k / 4);
+    for (int64_t p = 0; p < k / 4; ++p)
+      for (int64_t i = 0; i < rows; ++i)
+        dst[p * rows + i] = q32[(c * ROWS + i) * (k / 4) + p] ^ int32_t(0x80808080u);
+  }
+  for (int64_t b = 0; b < n; b += 32) {
+    const int8_t* wb = w + b * k;
+    for (int64_t i = 0; i < m; i += ROWS) {
+      const int32_t* xg = packed.data() + (i / ROWS) * ROWS * (k / 4);
+      int32_t* o = out + i * n + b;
+      switch (std::min(ROWS, m - i)) {
+        case 1: vnni_tile<1>(xg, wb, o, k, n); break;
+        case 2: vnni_tile<2>(xg, wb, o, k, n); break;
+        case 3: vnni_tile<3>(xg, wb, o, k, n); break;
+        case 4: vnni_tile<4>(xg, wb, o, k, n); break;
+        case 5: vnni_tile<5>(xg, wb, o, k, n); break;
+        case 6: vnni_tile<6>(xg, wb, o, k, n); break;
+        case 7: vnni_tile<7>(xg, wb, o, k, n); break;
+        case 8: vnni_tile<8>(xg, wb, o, k, n); break;
+        case 9: vnni_tile<9>(xg, wb, o, k, n); break;
+        case 10: vnni_tile<10>(xg, wb, o, k, n); break;
+        case 11: vnni_tile<11>(xg, wb, o, k, n); break;
+        default: vnni_tile<12>(xg, wb, o, k, n); break;
+      }
+    }
+  }
+  // sum (q + 128) w = sum q w + 128 sum w: the compensation makes them the s8 x s8 sums.
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) out[i * n + j] -= comp[j];
+#else
+  TORCH_CHECK(false, "vnni_sums: built without AVX512-VNNI");
+#endif
+}
 
 // Rows of x [m, k] (float32 or bf16) -> q int8 [m, k] and scales float32 [m].
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {

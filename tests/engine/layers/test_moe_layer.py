@@ -144,12 +144,17 @@ def test_int8_experts_give_the_torch_paths_bits_close_to_float(dtype, tokens, to
     assert (want.float() - grouped_experts(x, w13, w2, routing).float()).abs().max() > 0
 
 
-def test_an_int8_layer_keeps_no_packed_copy():
+def test_an_int8_layer_keeps_no_packed_copy_and_its_vnni_layout_holds_the_int8_copy():
     layer = FusedMoE(HIDDEN, INTER, EXPERTS, TOP_K, True, False)
     torch.nn.init.normal_(layer.w13)
     torch.nn.init.normal_(layer.w2)
-    assert layer.quantize(True) == layer.quant.nbytes == EXPERTS * 3 * HIDDEN * INTER + 4 * (
-        EXPERTS * (2 * INTER + HIDDEN))
+    assert layer.quantize(True) == layer.quant.nbytes
+    quant = layer.quant
+    assert quant.w13.shape == (EXPERTS, 2 * INTER, HIDDEN) and quant.w13.dtype == torch.int8
+    if quant.blocked13 is not None:  # AVX512-VNNI: block 0, input group 5, output 7
+        assert quant.blocked13.shape == (EXPERTS, 1, HIDDEN // 4, 32, 4)
+        assert torch.equal(quant.blocked13[2, 0, 5, 7], quant.w13[2, 7, 20:24])
+        assert torch.equal(quant.comp2, 128 * quant.w2.sum(2, dtype=torch.int32))
     layer.pack_weights(True)
     assert layer.packs is None
     assert layer.quantize(False) == 0 and layer.quant is None
