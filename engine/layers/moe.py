@@ -73,11 +73,33 @@ EXPERT_SMALL_ROWS = 32 if AVX512_BF16 else SMALL_ROWS
 BLOCK = 32  # outputs per block of the blocked layout (csrc/moe.cpp)
 
 
+def can_block(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the experts take the blocked kernel: bf16 with AVX512-BF16 or float32 with
+    AVX-512, every output count a multiple of BLOCK and every input count of G (block_pack)."""
+    flag = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(w13.dtype)
+    group = 4 // w13.element_size()
+    return (flag in CPU_FLAGS and w13.dtype == w2.dtype and cpu_kernels.applies(w13)
+            and all(w.shape[1] % BLOCK == 0 and w.shape[2] % group == 0 for w in (w13, w2)))
+
+
+def block_pack(w: torch.Tensor) -> torch.Tensor:
+    """Stacked weights [E, n, k] in the blocked layout [E, n / 32, k / G, 32, G], G the inputs
+    one 32-bit lane holds (2 in bf16, 1 in float32, 4 in int8): for each block of 32 outputs
+    and each group of G inputs, the 32 outputs' weights side by side. The kernel loads a block's
+    weights for a group in two vectors and broadcasts x's group (AVX512-BF16's pairwise
+    products, or float32 FMAs), with no horizontal sums; it beat both the small-batch kernel and
+    oneDNN's packed matmul at every row count of bench/moe.py's shapes (docs/performance.md)."""
+    e, n, k = w.shape
+    group = 4 // w.element_size()
+    return (w.detach().view(e, n // BLOCK, BLOCK, k // group, group)
+            .permute(0, 1, 3, 2, 4).contiguous())
+
+
 class ExpertQuant(NamedTuple):
     """The int8 copies of every expert's w13 and w2 (quantization="int8"; layers/quant.py: per
     output channel, rotated along k), rebuilt with the int8 copies of the linear layers; on a
     CPU with AVX512-VNNI also in the int8 blocked layout (vnni_pack) for csrc's VNNI kernel,
-    which an expert of a few rows takes (exact int32 sums: the same bits as torch._int_mm)."""
+    which every expert then runs on (exact int32 sums: the same bits as torch._int_mm)."""
 
     w13: torch.Tensor  # int8 [E, 2I, H]
     scale13: torch.Tensor  # float32 [E, 2I]
@@ -101,13 +123,10 @@ class ExpertQuant(NamedTuple):
 
 
 def vnni_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked int8 weights [E, n, k] in the int8 blocked layout [E, n / 32, k / 4, 32, 4] (for
-    each block of 32 outputs and each group of 4 inputs, the 32 outputs' 4 weights side by side:
-    one VNNI lane each), and the compensation 128 * sum_k q [E, n] int32 that turns the kernel's
-    u8 x s8 sums of x + 128 back into x's."""
-    e, n, k = q.shape
-    blocked = q.view(e, n // BLOCK, BLOCK, k // 4, 4).permute(0, 1, 3, 2, 4).contiguous()
-    return blocked, 128 * q.sum(dim=2, dtype=torch.int32)
+    """Stacked int8 weights [E, n, k] in the blocked layout [E, n / 32, k / 4, 32, 4] (4 inputs
+    of a block's 32 outputs: one VNNI lane each), and the compensation 128 * sum_k q [E, n]
+    int32 that turns the kernel's u8 x s8 sums of x + 128 back into x's."""
+    return block_pack(q), 128 * q.sum(dim=2, dtype=torch.int32)
 
 
 def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
@@ -123,28 +142,6 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
     blocked13, comp13 = vnni_pack(quant.w13)
     blocked2, comp2 = vnni_pack(quant.w2)
     return quant._replace(blocked13=blocked13, comp13=comp13, blocked2=blocked2, comp2=comp2)
-
-
-def can_block(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether the experts take the blocked kernel: bf16 with AVX512-BF16 or float32 with
-    AVX-512, every output count a multiple of BLOCK and every input count one of lanes."""
-    flag = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(w13.dtype)
-    group = 4 // w13.element_size()
-    return (flag in CPU_FLAGS and w13.dtype == w2.dtype and cpu_kernels.applies(w13)
-            and all(w.shape[1] % BLOCK == 0 and w.shape[2] % group == 0 for w in (w13, w2)))
-
-
-def block_pack(w: torch.Tensor) -> torch.Tensor:
-    """Stacked weights [E, n, k] in the blocked layout [E, n / 32, k / G, 32, G], G the inputs
-    one 32-bit lane holds (2 in bf16, 1 in float32): for each block of 32 outputs and each group
-    of G inputs, the 32 outputs' weights side by side. The kernel loads a block's weights for a
-    group in two vectors and broadcasts x's group (AVX512-BF16's pairwise products, or float32
-    FMAs), with no horizontal sums; it beat both the small-batch kernel and oneDNN's packed
-    matmul at every row count of bench/moe.py's shapes (docs/performance.md)."""
-    e, n, k = w.shape
-    group = 4 // w.element_size()
-    return (w.detach().view(e, n // BLOCK, BLOCK, k // group, group)
-            .permute(0, 1, 3, 2, 4).contiguous())
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
