@@ -132,7 +132,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, small_rows: int, blocked13: torch.Tensor | None,
                 blocked2: torch.Tensor | None, quant: list[torch.Tensor]) -> torch.Tensor:
     """layers/moe.py's grouped_experts in one call, the experts spread over the threads; `quant`
-    the experts' int8 copies (w13, scale13, w2, scale2) or empty."""
+    the experts' int8 copies (layers/moe.py's ExpertQuant.tensors()) or empty."""
     return torch.ops.hotswap.moe_experts(x, w13, w2, packed13, packed2, topk_ids, topk_weights,
                                          small_rows, blocked13, blocked2, quant)
 
