@@ -15,7 +15,6 @@ from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from hotswap.engine.layers import quant
-from hotswap.engine.layers.linear import quantize_model
 from hotswap.engine.models import build_model
 from hotswap.engine.models.loader import load_checkpoint
 
@@ -108,7 +107,7 @@ class ModelRunner:
         self._weights_generation += 1
         self.model.pack_weights(False)
         self.model.build_fp32_head(False, False)
-        quantize_model(self.model, False)
+        self.model.quantize_weights(False)
 
     def refresh_derived(self) -> None:
         """Rebuild the packed and int8 copies of the current weights now, where stale: a weight
@@ -121,7 +120,7 @@ class ModelRunner:
         self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head,
                                    config.pack_weights)
         if config.quantization is not None:  # first: packing skips what has an int8 copy
-            self.quant_bytes = quantize_model(self.model, True, config.quantize_lm_head)
+            self.quant_bytes = self.model.quantize_weights(True, config.quantize_lm_head)
         self.model.pack_weights(config.pack_weights)
         self._packed_generation = self._weights_generation
         self.last_pack_s = time.perf_counter() - start

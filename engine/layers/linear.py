@@ -133,25 +133,20 @@ class Linear(nn.Linear):
 
 def quantized_linears(model: nn.Module) -> Iterable[nn.Module]:
     """Every layers/linear.py Linear of the model but its lm_head. MoE routers are torch Linears
-    and stay in the model's dtype; the experts have their own int8 copies (quantize_model)."""
+    and stay in the model's dtype; the experts have their own int8 copies (layers/moe.py)."""
     head = getattr(model, "lm_head", None)
     return (m for m in model.modules() if isinstance(m, Linear) and m is not head)
 
 
 def quantize_model(model: nn.Module, enable: bool, head: bool = False) -> int:
-    """Rebuild (or drop) the int8 copy of every linear weight and of every MoE layer's experts
-    (and of the lm_head with `head`); the model's pack_weights, which runs after it, packs
-    nothing that has one. Returns the bytes the int8 copies hold."""
-    from hotswap.engine.layers.moe import FusedMoE  # moe.py builds on this module
-
+    """Rebuild (or drop) the int8 copy of every linear weight (and of the lm_head with `head`);
+    the model's pack_weights, which runs after it, packs nothing that has one. Returns the bytes
+    the int8 copies hold."""
     total = 0
     for module in quantized_linears(model):
         module.quant = quantize_weight(module.weight) if enable else None
         if enable:
             total += module.quant.nbytes
-    for module in model.modules():
-        if isinstance(module, FusedMoE):
-            total += module.quantize(enable)
     quant_head = quantize_weight(model.lm_head_weight) if enable and head else None
     model.lm_head_quant = quant_head
     if quant_head is not None:

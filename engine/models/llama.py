@@ -16,7 +16,14 @@ from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
-from hotswap.engine.layers.linear import SMALL_ROWS, Linear, linear, matmul_path, pack
+from hotswap.engine.layers.linear import (
+    SMALL_ROWS,
+    Linear,
+    linear,
+    matmul_path,
+    pack,
+    quantize_model,
+)
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.quant import QuantWeight
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -284,6 +291,11 @@ class LlamaForCausalLM(nn.Module):
         weight = head.float()
         pk = pack(weight) if packed else None
         self.fp32_head = Fp32Head(norm.float(), weight if pk is None else pk, pk)
+
+    def quantize_weights(self, enable: bool, head: bool = False) -> int:
+        """Rebuild (or drop) the int8 copies of the weights (layers/linear.py's quantize_model);
+        returns their bytes. Called before pack_weights, which packs nothing that has one."""
+        return quantize_model(self, enable, head)
 
     def pack_weights(self, enable: bool = True) -> None:
         """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py) and

@@ -106,6 +106,14 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     model_class = MoeModel
 
+    def quantize_weights(self, enable: bool, head: bool = False) -> int:
+        """The linear layers' int8 copies and every MoE layer's experts' (routers stay float)."""
+        total = super().quantize_weights(enable, head)
+        for module in self.modules():
+            if isinstance(module, FusedMoE):
+                total += module.quantize(enable)
+        return total
+
     def pack_weights(self, enable: bool = True) -> None:
         super().pack_weights(enable)
         for module in self.modules():
