@@ -111,92 +111,23 @@ constexpr bool has_block_kernel() {
 #endif
 }
 
-// Expert e's n rows from `lo` on raw memory: expert_linear's ops (the blocked kernel where the
-// blocked layout is given, else bf16's small_linear; rounded to T), silu_and_mul, the same for
-// the down projection, the weight applied and rounded, so the same bits, without the dozen
-// tensor allocations and dispatches per expert, which at a decode step's few rows per expert
-// cost as much as its matmuls.
-template <typename T>
-void raw_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w2,
-                const std::optional<at::Tensor>& blocked13,
-                const std::optional<at::Tensor>& blocked2, const at::Tensor& ws, at::Tensor& out,
-                int64_t e, int64_t lo, int64_t n) {
-  const int64_t hidden = w13.size(2), inter = w2.size(2);
-  thread_local std::vector<float> sums;
-  thread_local std::vector<T> gate_up, h;
-  sums.resize(n * std::max(2 * inter, hidden));
-  gate_up.resize(n * 2 * inter);
-  h.resize(n * inter);
-  auto sums_of = [&](const T* a, const at::Tensor& w, const std::optional<at::Tensor>& blocked,
-                     int64_t k, int64_t outs) {
-#if defined(__AVX512F__)
-    if constexpr (has_block_kernel<T>())
-      if (blocked) return block_linear_sums(a, blocked->data_ptr<T>() + e * outs * k,
-                                            sums.data(), n, k, outs);
-#endif
-    if constexpr (std::is_same_v<T, at::BFloat16>)
-      return small_linear_sums(a, w.data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
-    TORCH_CHECK(false, "moe_experts: a float32 expert on raw memory needs the blocked layout");
-  };
-  const T* x = xs.data_ptr<T>() + lo * hidden;
-  sums_of(x, w13, blocked13, hidden, 2 * inter);
-  for (int64_t i = 0; i < n * 2 * inter; ++i) gate_up[i] = narrow<T>(sums[i]);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* g = gate_up.data() + i * 2 * inter;
-    silu_and_mul_row(g, g + inter, h.data() + i * inter, inter);
-  }
-  sums_of(h.data(), w2, blocked2, inter, hidden);
-  T* o = out.data_ptr<T>() + lo * hidden;
-  dispatch(ws.scalar_type(), "moe_experts", [&](auto zero) {
-    const auto* w = ws.data_ptr<decltype(zero)>() + lo;
-    for (int64_t i = 0; i < n; ++i) {
-      const float wi = widen(w[i]);
-      for (int64_t j = 0; j < hidden; ++j)
-        o[i * hidden + j] = narrow<T>(widen(narrow<T>(sums[i * hidden + j])) * wi);
-    }
-  });
-}
-
-// Expert e's n rows from `lo` over its int8 copies on raw memory (AVX512-VNNI): int8_linear's
-// ops (each row quantized as quantize_rows does, the exact int32 sums, the same rescaling), so
-// the same bits, for both matmuls, silu_and_mul between them, the weight applied as above.
-// quant: w13, scale13, w2, scale2 (unused here), then w13 and w2 in the int8 blocked layout with
-// their compensations (layers/moe.py's ExpertQuant).
-template <typename T>
-void raw_int8_expert(const at::Tensor& xs, at::TensorList quant, const at::Tensor& ws,
-                     at::Tensor& out, int64_t e, int64_t lo, int64_t n) {
-  const int64_t hidden = quant[0].size(2), inter = quant[2].size(2);
-  thread_local std::vector<float> scratch, row_scale;
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<int32_t> acc;
+// One expert's n rows on raw memory, its matmuls given: gate_up = matmul13(x) and y =
+// matmul2(silu_and_mul(gate_up)), each written in T, then out's rows = y * the rows' weights,
+// rounded to T (the weight in its dtype, as grouped_experts applies it). No tensor allocation or
+// dispatch per expert: at a decode step's few rows per expert they cost as much as its matmuls.
+template <typename T, typename Matmul13, typename Matmul2>
+void expert_rows(const T* x, int64_t n, int64_t hidden, int64_t inter, Matmul13 matmul13,
+                 Matmul2 matmul2, const at::Tensor& ws, at::Tensor& out, int64_t lo) {
   thread_local std::vector<T> gate_up, h, y;
-  // dst [n, outs] = a [n, k] @ W.T from W's int8 copy: blocked, its compensation, its scales.
-  auto int8_matmul = [&](const T* a, int64_t k, int64_t outs, const at::Tensor& blocked,
-                         const at::Tensor& comp, const at::Tensor& scale, T* dst) {
-    scratch.resize(k);
-    q.resize(n * k);
-    row_scale.resize(n);
-    acc.resize(n * outs);
-    const int64_t block = hadamard_block(k);
-    for (int64_t i = 0; i < n; ++i)
-      row_scale[i] = quantize_row(a + i * k, scratch.data(), q.data() + i * k, k, block);
-    vnni_sums(q.data(), blocked.data_ptr<int8_t>() + e * outs * k,
-              comp.data_ptr<int32_t>() + e * outs, acc.data(), n, k, outs);
-    const float* sw = scale.data_ptr<float>() + e * outs;
-    for (int64_t i = 0; i < n; ++i)
-      rescale_row<T>(acc.data() + i * outs, row_scale[i], sw, nullptr, nullptr, dst + i * outs,
-                     outs);
-  };
   gate_up.resize(n * 2 * inter);
   h.resize(n * inter);
   y.resize(n * hidden);
-  int8_matmul(xs.data_ptr<T>() + lo * hidden, hidden, 2 * inter, quant[4], quant[5], quant[1],
-              gate_up.data());
+  matmul13(x, gate_up.data());
   for (int64_t i = 0; i < n; ++i) {
     const T* g = gate_up.data() + i * 2 * inter;
     silu_and_mul_row(g, g + inter, h.data() + i * inter, inter);
   }
-  int8_matmul(h.data(), inter, hidden, quant[6], quant[7], quant[3], y.data());
+  matmul2(h.data(), y.data());
   T* o = out.data_ptr<T>() + lo * hidden;
   dispatch(ws.scalar_type(), "moe_experts", [&](auto zero) {
     const auto* w = ws.data_ptr<decltype(zero)>() + lo;
@@ -206,6 +137,80 @@ void raw_int8_expert(const at::Tensor& xs, at::TensorList quant, const at::Tenso
         o[i * hidden + j] = narrow<T>(widen(y[i * hidden + j]) * wi);
     }
   });
+}
+
+// Expert e's n rows from `lo` on raw memory, with expert_linear's matmuls (the blocked kernel
+// where the blocked layout is given, else bf16's small_linear; float32 sums rounded to T once),
+// so grouped_experts' bits.
+template <typename T>
+void raw_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w2,
+                const std::optional<at::Tensor>& blocked13,
+                const std::optional<at::Tensor>& blocked2, const at::Tensor& ws, at::Tensor& out,
+                int64_t e, int64_t lo, int64_t n) {
+  const int64_t hidden = w13.size(2), inter = w2.size(2);
+  // dst [n, outs] = a [n, k] @ expert e's weight w [outs, k] (or its blocked copy).T, in T.
+  auto matmul = [&](const at::Tensor& w, const std::optional<at::Tensor>& blocked, int64_t k,
+                    int64_t outs) {
+    return [&, k, outs](const T* a, T* dst) {
+      thread_local std::vector<float> sums;
+      sums.resize(n * outs);
+      bool done = false;
+#if defined(__AVX512F__)
+      if constexpr (has_block_kernel<T>()) {
+        if (blocked) {
+          block_linear_sums(a, blocked->data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
+          done = true;
+        }
+      }
+#endif
+      if (!done) {
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          small_linear_sums(a, w.data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
+        else
+          TORCH_CHECK(false, "moe_experts: a float32 expert on raw memory needs the blocked "
+                             "layout");
+      }
+      for (int64_t i = 0; i < n * outs; ++i) dst[i] = narrow<T>(sums[i]);
+    };
+  };
+  expert_rows(xs.data_ptr<T>() + lo * hidden, n, hidden, inter,
+              matmul(w13, blocked13, hidden, 2 * inter), matmul(w2, blocked2, inter, hidden), ws,
+              out, lo);
+}
+
+// Expert e's n rows from `lo` over its int8 copies on raw memory (AVX512-VNNI), with
+// int8_linear's matmuls (each row quantized as quantize_rows does, the exact int32 sums, the
+// same rescaling), so grouped_experts' bits. quant: w13, scale13, w2, scale2, then w13 and w2 in
+// the int8 blocked layout with their compensations (layers/moe.py's ExpertQuant).
+template <typename T>
+void raw_int8_expert(const at::Tensor& xs, at::TensorList quant, const at::Tensor& ws,
+                     at::Tensor& out, int64_t e, int64_t lo, int64_t n) {
+  const int64_t hidden = quant[0].size(2), inter = quant[2].size(2);
+  // dst [n, outs] = a [n, k] @ W.T from W's int8 copy: blocked, its compensation, its scales.
+  auto matmul = [&](const at::Tensor& blocked, const at::Tensor& comp, const at::Tensor& scale,
+                    int64_t k, int64_t outs) {
+    return [&, k, outs](const T* a, T* dst) {
+      thread_local std::vector<float> scratch, row_scale;
+      thread_local std::vector<int8_t> q;
+      thread_local std::vector<int32_t> acc;
+      scratch.resize(k);
+      q.resize(n * k);
+      row_scale.resize(n);
+      acc.resize(n * outs);
+      const int64_t block = hadamard_block(k);
+      for (int64_t i = 0; i < n; ++i)
+        row_scale[i] = quantize_row(a + i * k, scratch.data(), q.data() + i * k, k, block);
+      vnni_sums(q.data(), blocked.data_ptr<int8_t>() + e * outs * k,
+                comp.data_ptr<int32_t>() + e * outs, acc.data(), n, k, outs);
+      const float* sw = scale.data_ptr<float>() + e * outs;
+      for (int64_t i = 0; i < n; ++i)
+        rescale_row<T>(acc.data() + i * outs, row_scale[i], sw, nullptr, nullptr,
+                       dst + i * outs, outs);
+    };
+  };
+  expert_rows(xs.data_ptr<T>() + lo * hidden, n, hidden, inter,
+              matmul(quant[4], quant[5], quant[1], hidden, 2 * inter),
+              matmul(quant[6], quant[7], quant[3], inter, hidden), ws, out, lo);
 }
 
 }  // namespace
