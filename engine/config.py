@@ -250,9 +250,10 @@ class EngineConfig:
     def _context_length(self, model: ModelConfig) -> int:
         """context_length, or the model's; within a sliding window, which is not implemented:
         up to the window, full attention is what the checkpoint computes."""
+        context = self.context_length or model.max_position_embeddings
         window = model.sliding_window
-        if window is None or window >= (self.context_length or model.max_position_embeddings):
-            return self.context_length or model.max_position_embeddings
+        if window is None or window >= context:
+            return context
         if self.context_length is not None:
             raise ValueError(
                 f"context_length={self.context_length}: the model's attention slides over "

@@ -137,7 +137,7 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
     quant = ExpertQuant(q13.weight.view(e, two_i, hidden), q13.scale.view(e, two_i),
                         q2.weight.view(e, hidden, inter), q2.scale.view(e, hidden))
     if not (AVX512_VNNI and cpu_kernels.applies(w13) and two_i % BLOCK == 0
-            and hidden % BLOCK == 0 and hidden % 4 == 0 and inter % 4 == 0):
+            and hidden % BLOCK == 0 and inter % 4 == 0):
         return quant
     blocked13, comp13 = vnni_pack(quant.w13)
     blocked2, comp2 = vnni_pack(quant.w2)

@@ -80,20 +80,9 @@ void block_linear_sums(const T* x, const T* w, float* out, int64_t m, int64_t k,
     for (int64_t i = 0; i < m; i += 12) {
       const T* xi = x + i * k;
       float* oi = out + i * n + b;
-      switch (std::min<int64_t>(12, m - i)) {
-        case 1: block_tile<1>(xi, wb, oi, k, n); break;
-        case 2: block_tile<2>(xi, wb, oi, k, n); break;
-        case 3: block_tile<3>(xi, wb, oi, k, n); break;
-        case 4: block_tile<4>(xi, wb, oi, k, n); break;
-        case 5: block_tile<5>(xi, wb, oi, k, n); break;
-        case 6: block_tile<6>(xi, wb, oi, k, n); break;
-        case 7: block_tile<7>(xi, wb, oi, k, n); break;
-        case 8: block_tile<8>(xi, wb, oi, k, n); break;
-        case 9: block_tile<9>(xi, wb, oi, k, n); break;
-        case 10: block_tile<10>(xi, wb, oi, k, n); break;
-        case 11: block_tile<11>(xi, wb, oi, k, n); break;
-        default: block_tile<12>(xi, wb, oi, k, n); break;
-      }
+      dispatch_rows<12>(m - i, [&](auto rows) {
+        block_tile<decltype(rows)::value>(xi, wb, oi, k, n);
+      });
     }
   }
 }

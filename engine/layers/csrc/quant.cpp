@@ -180,20 +180,9 @@ void vnni_sums(const int8_t* q, const int8_t* w, const int32_t* comp, int32_t* o
     for (int64_t i = 0; i < m; i += ROWS) {
       const int32_t* xg = packed.data() + (i / ROWS) * ROWS * (k / 4);
       int32_t* o = out + i * n + b;
-      switch (std::min(ROWS, m - i)) {
-        case 1: vnni_tile<1>(xg, wb, o, k, n); break;
-        case 2: vnni_tile<2>(xg, wb, o, k, n); break;
-        case 3: vnni_tile<3>(xg, wb, o, k, n); break;
-        case 4: vnni_tile<4>(xg, wb, o, k, n); break;
-        case 5: vnni_tile<5>(xg, wb, o, k, n); break;
-        case 6: vnni_tile<6>(xg, wb, o, k, n); break;
-        case 7: vnni_tile<7>(xg, wb, o, k, n); break;
-        case 8: vnni_tile<8>(xg, wb, o, k, n); break;
-        case 9: vnni_tile<9>(xg, wb, o, k, n); break;
-        case 10: vnni_tile<10>(xg, wb, o, k, n); break;
-        case 11: vnni_tile<11>(xg, wb, o, k, n); break;
-        default: vnni_tile<12>(xg, wb, o, k, n); break;
-      }
+      dispatch_rows<ROWS>(m - i, [&](auto rows) {
+        vnni_tile<decltype(rows)::value>(xg, wb, o, k, n);
+      });
     }
   }
   // sum (q + 128) w = sum q w + 128 sum w: the compensation makes them the s8 x s8 sums.

@@ -106,16 +106,9 @@ void small_linear_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, float*
     for (int64_t i = 0; i < m; i += 8) {
       const at::BFloat16* xi = x + i * k;
       float* oi = out + i * n;
-      switch (std::min<int64_t>(8, m - i)) {
-        case 1: small_rows_bf16<1>(xi, w, oi, k, t0, t1, n); break;
-        case 2: small_rows_bf16<2>(xi, w, oi, k, t0, t1, n); break;
-        case 3: small_rows_bf16<3>(xi, w, oi, k, t0, t1, n); break;
-        case 4: small_rows_bf16<4>(xi, w, oi, k, t0, t1, n); break;
-        case 5: small_rows_bf16<5>(xi, w, oi, k, t0, t1, n); break;
-        case 6: small_rows_bf16<6>(xi, w, oi, k, t0, t1, n); break;
-        case 7: small_rows_bf16<7>(xi, w, oi, k, t0, t1, n); break;
-        default: small_rows_bf16<8>(xi, w, oi, k, t0, t1, n); break;
-      }
+      dispatch_rows<8>(m - i, [&](auto rows) {
+        small_rows_bf16<decltype(rows)::value>(xi, w, oi, k, t0, t1, n);
+      });
     }
   }
 }

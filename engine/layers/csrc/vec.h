@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -77,6 +78,16 @@ void dispatch(at::ScalarType dtype, const char* op, F f) {
   } else {
     TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", dtype);
   }
+}
+
+// Calls f(std::integral_constant<int, M>{}) with M = rows, for 1 <= rows <= MAX (a register
+// tile's row count as a template argument; rows above MAX take MAX).
+template <int MAX, int M = 1, typename F>
+void dispatch_rows(int64_t rows, F&& f) {
+  if constexpr (M < MAX) {
+    if (rows > M) return dispatch_rows<MAX, M + 1>(rows, f);
+  }
+  f(std::integral_constant<int, M>{});
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {

@@ -57,6 +57,17 @@ def assert_close(got: list, want: list, tol: float = TOL) -> None:
         assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) <= tol
 
 
+def broadcast(tensors: dict[str, torch.Tensor], eng: Engine, ranks: int, version: str) -> dict:
+    """One update by a trainer's broadcast (rank 0) to the engine's `ranks` - 1 ranks; the
+    group is closed whatever happens."""
+    sender = WeightSender("127.0.0.1", free_port(), world_size=ranks, backend="gloo",
+                          timeout_s=60)
+    try:
+        return sender.send(tensors, [eng], weight_version=version)[0]
+    finally:
+        sender.close([eng])
+
+
 def hf_greedy(path: str) -> list[tuple[list[int], list[float]]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
@@ -277,12 +288,7 @@ def test_tp2_equals_tp1_and_updates_in_both_namings(moe, arch):
         got = torch.tensor(two.get_weights_by_name(name, 1 << 20))
         assert torch.equal(got, load_file(f"{moe[arch, 'a-stacked']}/model.safetensors")[name])
         # a trainer's broadcast: 1 trainer + 2 TP ranks, each rank slicing its experts
-        sender = WeightSender("127.0.0.1", free_port(), world_size=3, backend="gloo",
-                              timeout_s=60)
-        try:
-            assert sender.send(stacked_b, [two], weight_version="b2")[0]["success"]
-        finally:
-            sender.close([two])
+        assert broadcast(stacked_b, two, 3, "b2")["success"]
         assert_close(run(two), want_b)
 
 
@@ -320,12 +326,7 @@ def test_int8_experts_serve_close_to_float_and_every_update_requantizes_them(moe
         assert run(eng) == want_b
         assert eng.update_weights_from_disk(moe[arch, "a"])["success"]
         assert run(eng) == got_a
-        sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
-                              timeout_s=60)
-        try:
-            assert sender.send(b, [eng], weight_version="b2")[0]["success"]
-        finally:
-            sender.close([eng])
+        assert broadcast(b, eng, 2, "b2")["success"]
         assert run(eng) == want_b
         assert eng.update_weights_from_tensor(some)["success"]
         assert run(eng) == want_mixed
