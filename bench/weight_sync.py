@@ -21,7 +21,9 @@ Measured in one run, between the same two processes:
   forward's rebuild of the packed weight copies, printed at the end). Under "abort" the client
   resubmits prompt + tokens so far at once, as an RL rollout worker would.
 With --quantization int8 the engine re-quantizes the new weights inside every update (stage
-"quantize" below); printed at the end: that stage's share of the update's e2e time.
+"quantize" below), then rebuilds the other derived copies there too (stage "derive": the float32
+head and packed copies, which a float engine rebuilds at its first forward instead); printed at
+the end: the quantize stage's share of the update's e2e time.
 """
 
 from __future__ import annotations
@@ -359,8 +361,11 @@ def main() -> None:
     for name, updates, _ in rows:
         shares = sorted(u.stages.get("quantize", 0.0) / u.e2e for u in updates)
         seconds = statistics.median(u.stages.get("quantize", 0.0) for u in updates)
+        derive = statistics.median(u.stages.get("derive", 0.0) for u in updates)
         print(f"  {name:<26}quantize {seconds:.3f} s = {statistics.median(shares):.0%} of e2e "
-              f"(range {shares[0]:.0%}-{shares[-1]:.0%})")
+              f"(range {shares[0]:.0%}-{shares[-1]:.0%}); then derive {derive:.3f} s (the "
+              "float32 head and packed copies: a float engine rebuilds them at its first "
+              "forward after the update, outside e2e)")
 
 
 if __name__ == "__main__":

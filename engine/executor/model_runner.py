@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -89,11 +90,13 @@ class ModelRunner:
         self.weights_released = False
 
     def release_weights(self) -> None:
-        """Free the parameter storage; their values are gone until weights are pushed again."""
+        """Free the parameter storage (and the int8 copies); their values are gone until
+        weights are pushed again."""
         for p, _ in self._param_shapes:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.weights_released = True
         self.weights_changed()
+        self.model.quantize_weights(False)
 
     def resume_weights(self) -> None:
         """Storage back (values undefined)."""
@@ -102,26 +105,33 @@ class ModelRunner:
             self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Called after any write to the weights: packed and int8 copies are stale from now on
-        (and dropped, so a rebuild never holds two sets)."""
+        """Called after any write to the weights: packed and int8 copies are stale from now on.
+        The packed copies are dropped, so a rebuild never holds two sets; the int8 copies are
+        kept for their memory, which the rebuild (before any forward reads them) writes again:
+        fresh pages would cost an update more than the quantization itself."""
         self._weights_generation += 1
         self.model.pack_weights(False)
         self.model.build_fp32_head(False, False)
-        self.model.quantize_weights(False)
 
-    def refresh_derived(self) -> None:
+    def refresh_derived(self, lap: Callable[[str], None] | None = None) -> None:
         """Rebuild the packed and int8 copies of the current weights now, where stale: a weight
         update calls it inside its transaction (paused), so its first step pays nothing and a
-        quantization error fails the update; otherwise the next forward does."""
+        quantization error fails the update; otherwise the next forward does. `lap` (a
+        weight update's Stages.lap) is told "quantize" after the int8 copies and "derive" after
+        the rest (the float32 head and packed copies, which a float engine rebuilds too)."""
         if self._packed_generation == self._weights_generation or self.weights_released:
             return
         config = self.config
         start = time.perf_counter()
-        self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head,
-                                   config.pack_weights)
         if config.quantization is not None:  # first: packing skips what has an int8 copy
             self.quant_bytes = self.model.quantize_weights(True, config.quantize_lm_head)
+            if lap is not None:
+                lap("quantize")
+        self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head,
+                                   config.pack_weights)
         self.model.pack_weights(config.pack_weights)
+        if lap is not None:
+            lap("derive")
         self._packed_generation = self._weights_generation
         self.last_pack_s = time.perf_counter() - start
 

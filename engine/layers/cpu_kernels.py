@@ -137,6 +137,23 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                          small_rows, blocked13, blocked2, quant)
 
 
+BLOCK = 32  # outputs per block of the blocked layout
+
+
+def block_pack(w: torch.Tensor) -> torch.Tensor:
+    """Weights [..., n, k] in the blocked layout [..., n / 32, k / G, 32, G] the csrc kernels
+    read (blocked_linear, and the int8 VNNI kernel), G the inputs one 32-bit lane holds (2 in
+    bf16, 1 in float32, 4 in int8): for each block of 32 outputs and each group of G inputs, the
+    32 outputs' weights side by side. A kernel loads a block's weights for a group in two
+    vectors and broadcasts x's group (AVX512-BF16's pairwise products, float32 FMAs or VNNI's
+    int8 ones), with no horizontal sums; for the experts it beat both the small-batch kernel and
+    oneDNN's packed matmul at every row count of bench/moe.py's shapes (docs/performance.md)."""
+    *lead, n, k = w.shape
+    group = 4 // w.element_size()
+    return (w.detach().reshape(-1, n // BLOCK, BLOCK, k // group, group)
+            .permute(0, 1, 3, 2, 4).contiguous().view(*lead, n // BLOCK, k // group, BLOCK, group))
+
+
 def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ weight.T, the weight [n, k] given in the blocked layout (layers/moe.py's
     block_pack), in x's dtype; needs AVX-512 (and AVX512-BF16 for bf16)."""
@@ -157,11 +174,22 @@ def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None, residual: torch.Tensor | None, block: int
+                bias: torch.Tensor | None, residual: torch.Tensor | None, block: int,
+                blocked: torch.Tensor | None = None, comp: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """x [m, k] (float32 or bf16) @ the int8 weight [n, k] with its float32 scales [n], x
-    quantized per row as quantize_rows does; (+ bias) (+ residual), in x's dtype."""
-    return torch.ops.hotswap.int8_linear(x, weight, scale, bias, residual, block)
+    quantized per row as quantize_rows does; (+ bias) (+ residual), in x's dtype. blocked, comp:
+    the weight in the int8 blocked layout and its compensation (layers/quant.py's vnni_pack),
+    which few rows multiply with the VNNI kernel; the int32 sums are exact either way."""
+    return torch.ops.hotswap.int8_linear(x, weight, scale, bias, residual, block, blocked, comp)
+
+
+def quantize_weight_(weight: torch.Tensor, block: int, q: torch.Tensor, scale: torch.Tensor,
+                     blocked: torch.Tensor | None, comp: torch.Tensor | None) -> None:
+    """weight [n, k] quantized as quantize_rows does, into q int8 [n, k] and scale float32 [n];
+    with blocked, comp also into the int8 blocked layout [n / 32, k / 4, 32, 4] (block_pack's)
+    and the compensation 128 * sum_k q [n] int32 that the VNNI kernel reads (one pass)."""
+    torch.ops.hotswap.quantize_weight_(weight, block, q, scale, blocked, comp)
 
 
 def sample_rows(x: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +220,8 @@ def head_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 class LayerWeights(NamedTuple):
     """One decoder layer's weights as linear.py's linear() multiplies them on the path of the
     DecodeLayers that holds them (the packed copy where there is one, except on SMALL; on INT8
-    the int8 weights, with their scales)."""
+    the int8 weights, each with the rest of its int8 copy: layers/quant.py's
+    QuantWeight.tensors(), empty on other paths)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -201,10 +230,10 @@ class LayerWeights(NamedTuple):
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-    qkv_scale: torch.Tensor | None = None
-    o_scale: torch.Tensor | None = None
-    gate_up_scale: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
+    qkv_quant: list[torch.Tensor] = []
+    o_quant: list[torch.Tensor] = []
+    gate_up_quant: list[torch.Tensor] = []
+    down_quant: list[torch.Tensor] = []
 
 
 def decode_stack(layers: Iterable[LayerWeights], eps: float, path: int, num_heads: int

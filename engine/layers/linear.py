@@ -124,11 +124,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, residual, self.quant)
 
-    def fused_weights(self, path: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(what cpu_kernels.decode_layers multiplies on `path`, the int8 copy's scales)."""
+    def fused_weights(self, path: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(what cpu_kernels.decode_layers multiplies on `path`, the rest of the int8 copy)."""
         if path == INT8:
-            return self.quant.weight, self.quant.scale
-        return (self.weight if self.packed is None or path == SMALL else self.packed), None
+            return self.quant.weight, self.quant.tensors()
+        return (self.weight if self.packed is None or path == SMALL else self.packed), []
 
 
 def quantized_linears(model: nn.Module) -> Iterable[nn.Module]:
@@ -139,15 +139,16 @@ def quantized_linears(model: nn.Module) -> Iterable[nn.Module]:
 
 
 def quantize_model(model: nn.Module, enable: bool, head: bool = False) -> int:
-    """Rebuild (or drop) the int8 copy of every linear weight (and of the lm_head with `head`);
-    the model's pack_weights, which runs after it, packs nothing that has one. Returns the bytes
-    the int8 copies hold."""
+    """Rebuild (or drop) the int8 copy of every linear weight (and of the lm_head with `head`),
+    into the old copy's memory where there is one; the model's pack_weights, which runs after
+    it, packs nothing that has one. Returns the bytes the int8 copies hold."""
     total = 0
     for module in quantized_linears(model):
-        module.quant = quantize_weight(module.weight) if enable else None
+        module.quant = quantize_weight(module.weight, module.quant) if enable else None
         if enable:
             total += module.quant.nbytes
-    quant_head = quantize_weight(model.lm_head_weight) if enable and head else None
+    quant_head = (quantize_weight(model.lm_head_weight, model.lm_head_quant)
+                  if enable and head else None)
     model.lm_head_quant = quant_head
     if quant_head is not None:
         total += quant_head.nbytes

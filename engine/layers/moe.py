@@ -24,8 +24,14 @@ from torch import nn
 from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
+from hotswap.engine.layers.cpu_kernels import BLOCK, block_pack
 from hotswap.engine.layers.linear import SMALL_ROWS, can_pack, linear, pack
-from hotswap.engine.layers.quant import QuantWeight, int8_linear, quantize_weight
+from hotswap.engine.layers.quant import (
+    QuantWeight,
+    can_vnni,
+    int8_linear,
+    quantize_weight,
+)
 
 
 class Routing(NamedTuple):
@@ -64,13 +70,11 @@ class ExpertPacks(NamedTuple):
 
 CPU_FLAGS = read_cpu_flags()
 AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
-AVX512_VNNI = "avx512_vnni" in CPU_FLAGS
 # Without the blocked layout, a bf16 expert of at most this many rows takes the small-batch kernel
 # (layers/linear.py's SMALL path): the experts of a step run one per thread, where it streams an
 # expert's weights faster than oneDNN up to ~32-48 rows (AVX512-BF16 EPYC, bench/moe.py's shapes;
 # without AVX512-BF16 unmeasured, so the dense threshold).
 EXPERT_SMALL_ROWS = 32 if AVX512_BF16 else SMALL_ROWS
-BLOCK = 32  # outputs per block of the blocked layout (csrc/moe.cpp)
 
 
 def can_block(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -82,33 +86,21 @@ def can_block(w13: torch.Tensor, w2: torch.Tensor) -> bool:
             and all(w.shape[1] % BLOCK == 0 and w.shape[2] % group == 0 for w in (w13, w2)))
 
 
-def block_pack(w: torch.Tensor) -> torch.Tensor:
-    """Stacked weights [E, n, k] in the blocked layout [E, n / 32, k / G, 32, G], G the inputs
-    one 32-bit lane holds (2 in bf16, 1 in float32, 4 in int8): for each block of 32 outputs
-    and each group of G inputs, the 32 outputs' weights side by side. The kernel loads a block's
-    weights for a group in two vectors and broadcasts x's group (AVX512-BF16's pairwise
-    products, or float32 FMAs), with no horizontal sums; it beat both the small-batch kernel and
-    oneDNN's packed matmul at every row count of bench/moe.py's shapes (docs/performance.md)."""
-    e, n, k = w.shape
-    group = 4 // w.element_size()
-    return (w.detach().view(e, n // BLOCK, BLOCK, k // group, group)
-            .permute(0, 1, 3, 2, 4).contiguous())
-
-
 class ExpertQuant(NamedTuple):
     """The int8 copies of every expert's w13 and w2 (quantization="int8"; layers/quant.py: per
     output channel, rotated along k), rebuilt with the int8 copies of the linear layers; on a
-    CPU with AVX512-VNNI also in the int8 blocked layout (vnni_pack) for csrc's VNNI kernel,
+    CPU with AVX512-VNNI also in the int8 blocked layout (quant.py's QuantWeight) for csrc's
+    VNNI kernel,
     which every expert then runs on (exact int32 sums: the same bits as torch._int_mm)."""
 
     w13: torch.Tensor  # int8 [E, 2I, H]
     scale13: torch.Tensor  # float32 [E, 2I]
     w2: torch.Tensor  # int8 [E, H, I]
     scale2: torch.Tensor  # float32 [E, H]
-    blocked13: torch.Tensor | None = None  # vnni_pack(w13)
-    comp13: torch.Tensor | None = None
-    blocked2: torch.Tensor | None = None  # vnni_pack(w2)
-    comp2: torch.Tensor | None = None
+    blocked13: torch.Tensor | None = None  # int8 [E, 2I / 32, H / 4, 32, 4]
+    comp13: torch.Tensor | None = None  # int32 [E, 2I]
+    blocked2: torch.Tensor | None = None  # int8 [E, H / 32, I / 4, 32, 4]
+    comp2: torch.Tensor | None = None  # int32 [E, H]
 
     @property
     def nbytes(self) -> int:
@@ -118,30 +110,44 @@ class ExpertQuant(NamedTuple):
         """What cpu_kernels.moe_experts takes: the four copies, then the blocked four if any."""
         return [t for t in self if t is not None]
 
+    def flat(self) -> tuple[QuantWeight, QuantWeight]:
+        """w13's and w2's copies as one int8 copy each of the stacked weights [E * n, k]
+        (views: quantize_weight writes through them)."""
+        def flat(w, scale, blocked, comp):
+            return QuantWeight(w.flatten(0, 1), scale.flatten(),
+                               None if blocked is None else blocked.flatten(0, 1),
+                               None if comp is None else comp.flatten())
+
+        return (flat(self.w13, self.scale13, self.blocked13, self.comp13),
+                flat(self.w2, self.scale2, self.blocked2, self.comp2))
+
     def expert(self, e: int) -> tuple[QuantWeight, QuantWeight]:
-        return QuantWeight(self.w13[e], self.scale13[e]), QuantWeight(self.w2[e], self.scale2[e])
+        if self.blocked13 is None:
+            return (QuantWeight(self.w13[e], self.scale13[e]),
+                    QuantWeight(self.w2[e], self.scale2[e]))
+        return (QuantWeight(self.w13[e], self.scale13[e], self.blocked13[e], self.comp13[e]),
+                QuantWeight(self.w2[e], self.scale2[e], self.blocked2[e], self.comp2[e]))
 
 
-def vnni_pack(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked int8 weights [E, n, k] in the blocked layout [E, n / 32, k / 4, 32, 4] (4 inputs
-    of a block's 32 outputs: one VNNI lane each), and the compensation 128 * sum_k q [E, n]
-    int32 that turns the kernel's u8 x s8 sums of x + 128 back into x's."""
-    return block_pack(q), 128 * q.sum(dim=2, dtype=torch.int32)
-
-
-def quantize_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertQuant:
-    """Every expert's rows quantized as one linear weight's would be (rows are independent)."""
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, out: ExpertQuant | None = None
+                     ) -> ExpertQuant:
+    """Every expert's rows quantized as one linear weight's would be (rows are independent):
+    the stacked weights as one int8 copy each, viewed per expert; into `out`'s memory where it
+    holds copies of the same shapes."""
     (e, two_i, hidden), inter = w13.shape, w2.shape[2]
-    q13 = quantize_weight(w13.reshape(e * two_i, hidden))
-    q2 = quantize_weight(w2.reshape(e * hidden, inter))
-    quant = ExpertQuant(q13.weight.view(e, two_i, hidden), q13.scale.view(e, two_i),
-                        q2.weight.view(e, hidden, inter), q2.scale.view(e, hidden))
-    if not (AVX512_VNNI and cpu_kernels.applies(w13) and two_i % BLOCK == 0
-            and hidden % BLOCK == 0 and inter % 4 == 0):
-        return quant
-    blocked13, comp13 = vnni_pack(quant.w13)
-    blocked2, comp2 = vnni_pack(quant.w2)
-    return quant._replace(blocked13=blocked13, comp13=comp13, blocked2=blocked2, comp2=comp2)
+    vnni = can_vnni(w13) and can_vnni(w2)  # per expert: no block of 32 rows spans two experts
+    old13, old2 = out.flat() if out is not None else (None, None)
+    q13 = quantize_weight(w13.reshape(e * two_i, hidden), old13, vnni)
+    q2 = quantize_weight(w2.reshape(e * hidden, inter), old2, vnni)
+
+    def per_expert(q: QuantWeight, n: int, k: int) -> list[torch.Tensor | None]:
+        blocked = None if q.blocked is None else q.blocked.view(e, n // BLOCK, k // 4, BLOCK, 4)
+        comp = None if q.comp is None else q.comp.view(e, n)
+        return [q.weight.view(e, n, k), q.scale.view(e, n), blocked, comp]
+
+    (w13q, s13, b13, c13), (w2q, s2, b2, c2) = per_expert(q13, two_i, hidden), per_expert(
+        q2, hidden, inter)
+    return ExpertQuant(w13q, s13, w2q, s2, b13, c13, b2, c2)
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -244,7 +250,8 @@ class FusedMoE(nn.Module):
     def quantize(self, enable: bool) -> int:
         """Rebuild (or drop) the experts' int8 copies (the router stays in the model's dtype);
         returns their bytes."""
-        self.quant = quantize_experts(self.w13.detach(), self.w2.detach()) if enable else None
+        self.quant = (quantize_experts(self.w13.detach(), self.w2.detach(), self.quant)
+                      if enable else None)
         return self.quant.nbytes if self.quant is not None else 0
 
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> Routing:

@@ -37,15 +37,27 @@ INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 HADAMARD_MAX_BLOCK = 512
 
 
+AVX512_VNNI = "avx512_vnni" in read_cpu_flags()
+
+
 class QuantWeight(NamedTuple):
-    """The int8 copy of one linear weight [n, k]."""
+    """The int8 copy of one linear weight [n, k]; on a CPU with AVX512-VNNI also in the int8
+    blocked layout (quantize_weight), which a step of few rows multiplies with csrc's VNNI
+    kernel: at batch 1 it streams the weight faster than torch._int_mm (docs/performance.md)."""
 
     weight: torch.Tensor  # int8 [n, k], contiguous: rows of round(W H / scale)
     scale: torch.Tensor  # float32 [n]
+    blocked: torch.Tensor | None = None  # int8 [n / 32, k / 4, 32, 4]
+    comp: torch.Tensor | None = None  # int32 [n]: 128 * sum_k weight
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + self.scale.nbytes
+        return sum(t.nbytes for t in self if t is not None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What csrc's fused decode layers take for it: the scales, then the blocked layout and
+        its compensation if any (the int8 weight is passed as the layer's weight)."""
+        return [t for t in self[1:] if t is not None]
 
 
 def hadamard_block(k: int) -> int:
@@ -83,10 +95,40 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, amax / 127.0
 
 
-def quantize_weight(weight: torch.Tensor) -> QuantWeight:
-    """The int8 copy of weight [n, k]: per output channel, symmetric, rotated."""
-    q, scale = quantize_rows(weight.detach())
-    return QuantWeight(q.contiguous(), scale)
+def can_vnni(weight: torch.Tensor) -> bool:
+    """Whether an int8 copy of weight [..., n, k] also takes the blocked layout for csrc's VNNI
+    kernel: AVX512-VNNI, the kernels built, n a multiple of 32 and k of 4."""
+    n, k = weight.shape[-2:]
+    return (AVX512_VNNI and cpu_kernels.applies(weight) and n % cpu_kernels.BLOCK == 0
+            and k % 4 == 0)
+
+
+def quantize_weight(weight: torch.Tensor, out: QuantWeight | None = None,
+                    vnni: bool | None = None) -> QuantWeight:
+    """The int8 copy of weight [n, k]: per output channel, symmetric, rotated; with `vnni`
+    (default: can_vnni) also in the int8 blocked layout (vnni_sums', csrc/quant.cpp), with the
+    compensation 128 * sum_k q [n] int32 that turns its u8 x s8 sums of x + 128 back into x's.
+    Written into `out` where it is a copy of the same shape and kind (a weight update reuses its
+    memory: fresh pages cost more than the quantization itself), else into new tensors."""
+    weight = weight.detach()
+    if not cpu_kernels.applies(weight):
+        q, scale = quantize_rows(weight)
+        return QuantWeight(q.contiguous(), scale)
+    (n, k), vnni = weight.shape, can_vnni(weight) if vnni is None else vnni
+    if out is None or out.weight.shape != (n, k) or (out.blocked is not None) != vnni:
+        out = empty_copy(n, k, vnni)
+    cpu_kernels.quantize_weight_(weight, hadamard_block(k), *out)
+    return out
+
+
+def empty_copy(n: int, k: int, vnni: bool) -> QuantWeight:
+    """Uninitialised tensors for the int8 copy of a weight [n, k] (quantize_weight fills them)."""
+    q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float32)
+    if not vnni:
+        return QuantWeight(q, scale)
+    blocks = cpu_kernels.BLOCK
+    return QuantWeight(q, scale, torch.empty(n // blocks, k // 4, blocks, 4, dtype=torch.int8),
+                       torch.empty(n, dtype=torch.int32))
 
 
 def dequantize(qw: QuantWeight) -> torch.Tensor:
@@ -105,7 +147,7 @@ def int8_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = No
         return int8_linear(x.reshape(-1, k), qw, bias, res).reshape(*lead, -1)
     if cpu_kernels.applies(x):
         return cpu_kernels.int8_linear(x, qw.weight, qw.scale, bias, residual,
-                                       hadamard_block(k))
+                                       hadamard_block(k), qw.blocked, qw.comp)
     q, scale = quantize_rows(x)
     out = torch._int_mm(q, qw.weight.t()).float() * (scale[:, None] * qw.scale)
     if bias is not None:

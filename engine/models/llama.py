@@ -207,13 +207,13 @@ class LlamaModel(nn.Module):
 
         def layer_weights(layer: LlamaDecoderLayer) -> cpu_kernels.LayerWeights:
             attn, mlp = layer.self_attn, layer.mlp
-            (qkv, qkv_scale), (o, o_scale), (gate_up, gate_up_scale), (down, down_scale) = (
+            (qkv, qkv_quant), (o, o_quant), (gate_up, gate_up_quant), (down, down_quant) = (
                 p.fused_weights(path)
                 for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             return cpu_kernels.LayerWeights(
                 layer.input_layernorm.weight, qkv, attn.qkv_proj.bias, o,
                 layer.post_attention_layernorm.weight, gate_up, down,
-                qkv_scale, o_scale, gate_up_scale, down_scale)
+                qkv_quant, o_quant, gate_up_quant, down_quant)
 
         return cpu_kernels.decode_stack(map(layer_weights, self.layers), self.cfg.rms_norm_eps,
                                         path, self.cfg.num_heads)

@@ -374,12 +374,11 @@ class WeightManager:
 
     def _quantize(self, stages: Stages | None = None) -> None:
         """quantization="int8": the int8 copies of the new weights, before the version bumps
-        and generation resumes (a failure fails the update). Other engines rebuild their
-        packed copies at the next forward, as before."""
+        and generation resumes (a failure fails the update), then the other derived copies
+        (stages "quantize" and "derive"). Other engines rebuild their packed copies at the next
+        forward, as before."""
         if self.runner.config.quantization is not None:
-            self.runner.refresh_derived()
-            if stages is not None:
-                stages.lap("quantize")
+            self.runner.refresh_derived(None if stages is None else stages.lap)
 
     # staged updates (scheduler thread; see staging.py)
 

@@ -22,7 +22,9 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("sample_rows(Tensor x, Tensor? u) -> (Tensor, Tensor)");
   m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual, "
-        "int block) -> Tensor");
+        "int block, Tensor? blocked=None, Tensor? comp=None) -> Tensor");
+  m.def("quantize_weight_(Tensor w, int block, Tensor(a!) q, Tensor(b!) scale, "
+        "Tensor(c!)? blocked, Tensor(d!)? comp) -> ()");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor[] packed13, Tensor[] packed2, "
         "Tensor topk_ids, Tensor topk_weights, int small_rows, Tensor? blocked13, "
         "Tensor? blocked2, Tensor[] quant) -> Tensor");
@@ -42,6 +44,7 @@ TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("sample_rows", &hotswap::sample_rows);
   m.impl("quantize_rows", &hotswap::quantize_rows);
   m.impl("int8_linear", &hotswap::int8_linear);
+  m.impl("quantize_weight_", &hotswap::quantize_weight_);
   m.impl("moe_experts", &hotswap::moe_experts);
   m.impl("blocked_linear", &hotswap::blocked_linear);
   m.impl("head_pack", &hotswap::head_pack);

@@ -25,16 +25,18 @@ auto scoped(const char* name, F f) {
 }  // namespace
 
 // The small-batch kernel (w plain bf16, a few rows; the residual joins its float32 sums), the
-// int8 matmul (w int8 with its `scale`; the residual joins its rescaling), else oneDNN's matmul
-// (w packed or plain) or at::linear, then the add.
+// int8 matmul (w int8 with the rest of its copy in `quant`; the residual joins its rescaling),
+// else oneDNN's matmul (w packed or plain) or at::linear, then the add.
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                       const at::Tensor* residual, int64_t path,
-                       const std::optional<at::Tensor>& scale) {
+                       const at::Tensor* residual, int64_t path, at::TensorList quant) {
   if (path == PATH_INT8)
     return scoped("hotswap::int8_linear", [&] {
-      return int8_linear(x, w, *scale, b,
+      auto opt = [&](size_t i) {
+        return quant.size() > i ? std::optional<at::Tensor>(quant[i]) : std::nullopt;
+      };
+      return int8_linear(x, w, quant[0], b,
                          residual ? std::optional<at::Tensor>(*residual) : std::nullopt,
-                         hadamard_block(x.size(1)));
+                         hadamard_block(x.size(1)), opt(1), opt(2));
     });
   if (path == PATH_SMALL)
     return scoped("hotswap::small_linear", [&] {
@@ -83,7 +85,7 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
     return scoped("hotswap::rms_norm", [&] { return rms_norm_impl(t, weight, stack.eps, r); });
   };
   auto qkv = path_linear(norm(x, w.input_norm, pending), w.qkv, w.qkv_bias, nullptr, path,
-                    w.qkv_scale);
+                    w.qkv_quant);
   scoped("hotswap::rotary_", [&] {
     return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, heads + hkv, d}), step.cos,
                    step.sin);
@@ -93,11 +95,11 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
     return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, step.req_to_token,
                             step.req_idx, step.seq_lens, step.scale);
   });
-  auto h = path_linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_scale);
+  auto h = path_linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_quant);
   auto gate_up = path_linear(norm(h, w.post_norm, small ? nullptr : &x), w.gate_up, std::nullopt,
-                        nullptr, path, w.gate_up_scale);
+                        nullptr, path, w.gate_up_quant);
   gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
-  auto out = path_linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path, w.down_scale);
+  auto out = path_linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path, w.down_quant);
   return {out, small ? at::Tensor() : h};
 }
 
@@ -113,16 +115,18 @@ DecodeLayers::DecodeLayers(double eps, int64_t path, int64_t num_heads)
 void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor qkv,
                              std::optional<at::Tensor> qkv_bias, at::Tensor o,
                              at::Tensor post_norm, at::Tensor gate_up, at::Tensor down,
-                             std::optional<at::Tensor> qkv_scale,
-                             std::optional<at::Tensor> o_scale,
-                             std::optional<at::Tensor> gate_up_scale,
-                             std::optional<at::Tensor> down_scale) {
-  TORCH_CHECK(path != PATH_INT8 || (qkv_scale && o_scale && gate_up_scale && down_scale),
-              "PATH_INT8 needs every weight's scales");
+                             std::vector<at::Tensor> qkv_quant,
+                             std::vector<at::Tensor> o_quant,
+                             std::vector<at::Tensor> gate_up_quant,
+                             std::vector<at::Tensor> down_quant) {
+  for (const auto* quant : {&qkv_quant, &o_quant, &gate_up_quant, &down_quant})
+    TORCH_CHECK(path == PATH_INT8 ? (quant->size() == 1 || quant->size() == 3) : quant->empty(),
+                "PATH_INT8 needs each weight's scales (and its blocked layout and compensation, "
+                "if any); other paths none");
   layers.push_back({std::move(input_norm), std::move(qkv), std::move(qkv_bias), std::move(o),
                     std::move(post_norm), std::move(gate_up), std::move(down),
-                    std::move(qkv_scale), std::move(o_scale), std::move(gate_up_scale),
-                    std::move(down_scale)});
+                    std::move(qkv_quant), std::move(o_quant), std::move(gate_up_quant),
+                    std::move(down_quant)});
 }
 
 // Every decoder layer of a decode-only batch in one call: decode_layer for each layer in turn,

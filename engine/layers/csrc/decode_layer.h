@@ -15,12 +15,13 @@
 namespace hotswap {
 
 // One decoder layer's weights as linear() multiplies them on the stack's path (the packed copy
-// where there is one, except on PATH_SMALL; on PATH_INT8 the int8 weights and their scales).
+// where there is one, except on PATH_SMALL; on PATH_INT8 the int8 weights, each with the rest of
+// its int8 copy: the scales, then the blocked layout and its compensation where there are).
 struct LayerWeights {
   at::Tensor input_norm, qkv;
   std::optional<at::Tensor> qkv_bias;
   at::Tensor o, post_norm, gate_up, down;
-  std::optional<at::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
+  std::vector<at::Tensor> qkv_quant, o_quant, gate_up_quant, down_quant;
 };
 
 // A model's decoder layers for the fused decode step, built once per set of weights (and path)
@@ -29,8 +30,8 @@ struct DecodeLayers : torch::CustomClassHolder {
   DecodeLayers(double eps, int64_t path, int64_t num_heads);
   void add_layer(at::Tensor input_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_bias,
                  at::Tensor o, at::Tensor post_norm, at::Tensor gate_up, at::Tensor down,
-                 std::optional<at::Tensor> qkv_scale, std::optional<at::Tensor> o_scale,
-                 std::optional<at::Tensor> gate_up_scale, std::optional<at::Tensor> down_scale);
+                 std::vector<at::Tensor> qkv_quant, std::vector<at::Tensor> o_quant,
+                 std::vector<at::Tensor> gate_up_quant, std::vector<at::Tensor> down_quant);
   int64_t size() const { return int64_t(layers.size()); }
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> k_bufs, std::vector<at::Tensor> v_bufs,
                      at::Tensor cos, at::Tensor sin, at::Tensor loc, at::Tensor req_to_token,

@@ -43,8 +43,7 @@ constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3;
 // x [m, k] @ w.T (+ b) (+ residual) exactly as layers/linear.py's linear() computes it on
 // `path` (decode_layer.cpp).
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                       const at::Tensor* residual, int64_t path,
-                       const std::optional<at::Tensor>& scale = std::nullopt);
+                       const at::Tensor* residual, int64_t path, at::TensorList quant = {});
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, int64_t small_rows,
@@ -55,6 +54,11 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked);
 // largest power of two dividing k, at most 512.
 inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 512); }
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block);
+// A weight w [n, k] quantized as quantize_rows does, into its int8 copy q [n, k] and scale [n];
+// with blocked / comp also into the int8 blocked layout and compensation vnni_sums reads.
+void quantize_weight_(const at::Tensor& w, int64_t block, const at::Tensor& q,
+                      const at::Tensor& scale, const std::optional<at::Tensor>& blocked,
+                      const std::optional<at::Tensor>& comp);
 // One row of quantize_rows: x [k] -> q [k] int8, its scale returned; `scratch` holds k floats.
 template <typename T>
 float quantize_row(const T* x, float* scratch, int8_t* q, int64_t k, int64_t block);
@@ -65,13 +69,20 @@ void rescale_row(const int32_t* acc, float s, const float* ws, const float* bias
 // Whether this build has vnni_sums (AVX512-VNNI).
 bool has_vnni_kernel();
 // out [m, n] = the exact int32 sums of q [m, k] @ w.T (s8 x s8) for a weight [n, k] in the int8
-// blocked layout [n / 32, k / 4, 32, 4] with comp[j] = 128 * sum_k w[j, k] (layers/quant.py's
-// vnni_pack): VNNI's u8 x s8 products of q + 128, less the compensation; k a multiple of 4.
+// blocked layout [n / 32, k / 4, 32, 4] with comp[j] = 128 * sum_k w[j, k] (quantize_weight_,
+// layers/quant.py): VNNI's u8 x s8 products of q + 128, less the compensation; k a multiple of 4.
 void vnni_sums(const int8_t* q, const int8_t* w, const int32_t* comp, int32_t* out, int64_t m,
                int64_t k, int64_t n);
+// Rows of x up to this many take vnni_sums where int8_linear is given the blocked layout: it
+// streams the weight faster than oneDNN's int8 matmul (docs/performance.md).
+constexpr int64_t VNNI_ROWS = 32;
+// x [m, k] @ W.T (+ bias) (+ residual) from W's int8 copy [n, k] and its scales (layers/quant.py);
+// blocked / comp: the same copy in the int8 blocked layout with its compensation, or none.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual, int64_t block);
+                       const std::optional<at::Tensor>& residual, int64_t block,
+                       const std::optional<at::Tensor>& blocked = std::nullopt,
+                       const std::optional<at::Tensor>& comp = std::nullopt);
 std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& x,
                                                const std::optional<at::Tensor>& u);
 

@@ -175,51 +175,111 @@ void vnni_sums(const int8_t* q, const int8_t* w, const int32_t* comp, int32_t* o
       for (int64_t i = 0; i < rows; ++i)
         dst[p * rows + i] = q32[(c * ROWS + i) * (k / 4) + p] ^ int32_t(0x80808080u);
   }
-  for (int64_t b = 0; b < n; b += 32) {
-    const int8_t* wb = w + b * k;
-    for (int64_t i = 0; i < m; i += ROWS) {
-      const int32_t* xg = packed.data() + (i / ROWS) * ROWS * (k / 4);
-      int32_t* o = out + i * n + b;
-      dispatch_rows<ROWS>(m - i, [&](auto rows) {
-        vnni_tile<decltype(rows)::value>(xg, wb, o, k, n);
-      });
+  // Blocks of 32 outputs over the threads (inline inside moe.cpp's parallel region), where the
+  // weight is worth a second thread (a dense layer at batch 1 streams it from memory).
+  const int64_t blocks = n / 32;
+  const int32_t* xp = packed.data();  // (a worker thread's `packed` is its own)
+  at::parallel_for(0, blocks, k * n >= 262144 ? 1 : blocks, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo * 32; b < hi * 32; b += 32) {
+      const int8_t* wb = w + b * k;
+      for (int64_t i = 0; i < m; i += ROWS) {
+        const int32_t* xg = xp + (i / ROWS) * ROWS * (k / 4);
+        int32_t* o = out + i * n + b;
+        dispatch_rows<ROWS>(m - i, [&](auto rows) {
+          vnni_tile<decltype(rows)::value>(xg, wb, o, k, n);
+        });
+      }
+      // sum (q + 128) w = sum q w + 128 sum w: the compensation makes them the s8 x s8 sums.
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = b; j < b + 32; ++j) out[i * n + j] -= comp[j];
     }
-  }
-  // sum (q + 128) w = sum q w + 128 sum w: the compensation makes them the s8 x s8 sums.
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) out[i * n + j] -= comp[j];
+  });
 #else
   TORCH_CHECK(false, "vnni_sums: built without AVX512-VNNI");
 #endif
 }
 
-// Rows of x [m, k] (float32 or bf16) -> q int8 [m, k] and scales float32 [m].
+namespace {
+
+void check_block(int64_t k, int64_t block) {
+  TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && k % block == 0,
+              "block must be a power of two dividing ", k, ", got ", block);
+}
+
+// Rows of x [m, k] quantized into q [m, k] and scale [m]; with `blocked`, each row also into the
+// int8 blocked layout [m / 32, k / 4, 32, 4] (its 4-byte groups 32 apart) and 128 times its sum
+// into `comp`, while the row is in L1. Threads take blocks of 32 rows (one of the layout's).
+template <typename T>
+void quantize_into(const T* x, int64_t m, int64_t k, int64_t block, int8_t* q, float* scale,
+                   int8_t* blocked, int32_t* comp) {
+  const int64_t chunks = (m + 31) / 32;
+  // Few rows are not worth a second thread's start-up.
+  at::parallel_for(0, chunks, m * k < 65536 ? chunks : 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scratch(k);
+    for (int64_t i = lo * 32; i < std::min(m, hi * 32); ++i) {
+      int8_t* row = q + i * k;
+      scale[i] = quantize_row(x + i * k, scratch.data(), row, k, block);
+      if (!blocked) continue;
+      const auto* groups = reinterpret_cast<const int32_t*>(row);
+      auto* out = reinterpret_cast<int32_t*>(blocked) + (i / 32) * 32 * (k / 4) + i % 32;
+      int32_t sum = 0;
+      for (int64_t p = 0; p < k / 4; ++p) out[p * 32] = groups[p];
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < k; ++j) sum += row[j];
+      comp[i] = 128 * sum;
+    }
+  });
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2, "quantize_rows: x must be 2-D");
-  TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && x.size(1) % block == 0,
-              "quantize_rows: block must be a power of two dividing ", x.size(1), ", got ", block);
+  check_block(x.size(1), block);
   const auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
   auto q = at::empty({m, k}, xc.options().dtype(at::kChar));
   auto scale = at::empty({m}, xc.options().dtype(at::kFloat));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
   dispatch(xc.scalar_type(), "quantize_rows", [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = xc.data_ptr<T>();
-    // Few rows are not worth a second thread's start-up.
-    at::parallel_for(0, m, m * k < 65536 ? m : 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(k);
-      for (int64_t i = begin; i < end; ++i)
-        sp[i] = quantize_row(xp + i * k, scratch.data(), qp + i * k, k, block);
-    });
+    quantize_into(xc.data_ptr<T>(), m, k, block, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                  nullptr, nullptr);
   });
   return {q, scale};
 }
 
+void quantize_weight_(const at::Tensor& w, int64_t block, const at::Tensor& q,
+                      const at::Tensor& scale, const std::optional<at::Tensor>& blocked,
+                      const std::optional<at::Tensor>& comp) {
+  TORCH_CHECK(w.dim() == 2, "quantize_weight_: w must be 2-D");
+  check_block(w.size(1), block);
+  const int64_t n = w.size(0), k = w.size(1);
+  auto is = [](const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
+    return t.scalar_type() == dtype && t.is_contiguous() && t.numel() == numel;
+  };
+  TORCH_CHECK(is(q, at::kChar, n * k) && is(scale, at::kFloat, n),
+              "quantize_weight_: q must be contiguous int8 [n, k], scale float32 [n]");
+  TORCH_CHECK(blocked.has_value() == comp.has_value(),
+              "quantize_weight_: blocked and comp go together");
+  if (blocked)
+    TORCH_CHECK(is(*blocked, at::kChar, n * k) && is(*comp, at::kInt, n) && n % 32 == 0 &&
+                    k % 4 == 0,
+                "quantize_weight_: blocked must be contiguous int8 [n / 32, k / 4, 32, 4] and "
+                "comp int32 [n], n a multiple of 32 and k of 4");
+  const auto wc = w.contiguous();
+  dispatch(wc.scalar_type(), "quantize_weight_", [&](auto tag) {
+    using T = decltype(tag);
+    quantize_into(wc.data_ptr<T>(), n, k, block, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                  blocked ? blocked->data_ptr<int8_t>() : nullptr,
+                  comp ? comp->data_ptr<int32_t>() : nullptr);
+  });
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual, int64_t block) {
+                       const std::optional<at::Tensor>& residual, int64_t block,
+                       const std::optional<at::Tensor>& blocked,
+                       const std::optional<at::Tensor>& comp) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "int8_linear: x [m, k] and weight [n, k] expected");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
@@ -227,9 +287,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0),
               "int8_linear: scale must be float32 [n]");
   const int64_t m = x.size(0), n = weight.size(0);
+  const int64_t k = x.size(1);
   auto [q, xs] = quantize_rows(x, block);
-  // [n, k] contiguous, passed transposed: oneDNN reads it as a column-major [k, n].
-  const at::Tensor acc = at::_int_mm(q, weight.t());
+  at::Tensor acc;
+  if (blocked && m <= VNNI_ROWS) {
+    TORCH_CHECK(has_vnni_kernel() && comp && blocked->numel() == weight.numel() &&
+                    blocked->scalar_type() == at::kChar && blocked->is_contiguous() &&
+                    n % 32 == 0 && k % 4 == 0 && comp->scalar_type() == at::kInt &&
+                    comp->numel() == n,
+                "int8_linear: blocked must be the weight in the int8 blocked layout, with comp "
+                "int32 [n]");
+    acc = at::empty({m, n}, x.options().dtype(at::kInt));
+    vnni_sums(q.data_ptr<int8_t>(), blocked->data_ptr<int8_t>(), comp->data_ptr<int32_t>(),
+              acc.data_ptr<int32_t>(), m, k, n);
+  } else {
+    // [n, k] contiguous, passed transposed: oneDNN reads it as a column-major [k, n].
+    acc = at::_int_mm(q, weight.t());
+  }
   auto out = at::empty({m, n}, x.options());
   std::optional<at::Tensor> b, r;
   if (bias) b = bias->to(at::kFloat).contiguous();

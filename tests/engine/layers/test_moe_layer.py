@@ -15,7 +15,6 @@ from hotswap.engine.layers.moe import (
     ExpertPacks,
     FusedMoE,
     Routing,
-    block_pack,
     can_block,
     fused_experts,
     grouped_experts,
@@ -63,7 +62,7 @@ def packs_of(packing: str, w13: torch.Tensor, w2: torch.Tensor) -> ExpertPacks |
     if packing == "blocked":
         if not can_block(w13, w2):
             pytest.skip("the blocked kernel needs AVX-512 (and AVX512-BF16 for bf16)")
-        return ExpertPacks([], [], block_pack(w13), block_pack(w2))
+        return ExpertPacks([], [], cpu_kernels.block_pack(w13), cpu_kernels.block_pack(w2))
     return None
 
 
@@ -94,7 +93,7 @@ def test_the_blocked_kernel_multiplies_what_the_layout_holds(dtype, m, n, k):
     w = torch.randn(1, n, k, generator=gen).to(dtype)
     if not can_block(w, w):
         pytest.skip("the blocked kernel needs AVX-512 (and AVX512-BF16 for bf16)")
-    got = cpu_kernels.blocked_linear(x, block_pack(w)[0])
+    got = cpu_kernels.blocked_linear(x, cpu_kernels.block_pack(w)[0])
     want = x.double() @ w[0].double().T
     assert got.dtype == dtype and got.shape == (m, n)
     # float32 sums (and one rounding to bf16): within float32's error of a k-term sum, or bf16's.
@@ -102,7 +101,7 @@ def test_the_blocked_kernel_multiplies_what_the_layout_holds(dtype, m, n, k):
     err = (got.double() - want).abs()
     assert (err <= ulp * want.abs() + 1e-5 * k).all(), err.max()
     with pytest.raises(RuntimeError, match="blocked layout"):
-        cpu_kernels.blocked_linear(x[:, :-2], block_pack(w)[0])
+        cpu_kernels.blocked_linear(x[:, :-2], cpu_kernels.block_pack(w)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -86,6 +86,32 @@ def test_rows_are_independent():
     assert torch.equal(together, alone)
 
 
+@pytest.mark.skipif(not quant.can_vnni(torch.empty(32, 4)),
+                    reason="needs AVX512-VNNI and the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_kernel_gives_the_int_mm_bits(dtype):
+    """With AVX512-VNNI an int8 copy also holds the blocked layout, which steps of up to 32 rows
+    multiply with csrc's VNNI kernel (x as u8, less the compensation): exact int32 sums, so the
+    bits of torch._int_mm's path, with bias and residual, at every row count around the
+    kernel's 12-row tile and the 32-row threshold."""
+    torch.manual_seed(5)
+    w = torch.randn(96, 1536).to(dtype) * 0.05
+    qw = quant.quantize_weight(w)
+    q = qw.weight
+    assert qw.blocked.shape == (3, 384, 32, 4)
+    assert torch.equal(qw.blocked[2, 17, 5, 3], q[2 * 32 + 5, 17 * 4 + 3])
+    assert torch.equal(qw.blocked.permute(0, 2, 1, 3).reshape(96, 1536), q)
+    assert torch.equal(qw.comp, 128 * q.int().sum(1))
+    plain = qw._replace(blocked=None, comp=None)
+    for m in (1, 2, 11, 12, 13, 25, 32, 33):
+        x = torch.randn(m, 1536).to(dtype)
+        bias, residual = torch.randn(96).to(dtype), torch.randn(m, 96).to(dtype)
+        assert torch.equal(quant.int8_linear(x, qw, bias, residual),
+                           quant.int8_linear(x, plain, bias, residual)), m
+    with pytest.raises(RuntimeError, match="blocked layout"):
+        quant.int8_linear(torch.randn(2, 1536).to(dtype), qw._replace(comp=qw.comp[:32]))
+
+
 def test_zero_rows_and_hadamard_block():
     assert [quant.hadamard_block(k) for k in (64, 576, 1536, 48, 30, 7, 2048)] == [
         64, 64, 512, 16, 2, 1, 512]

@@ -50,11 +50,21 @@ def int8_copies(engine: Engine) -> list[quant.QuantWeight]:
     return [m.quant for m in quantized_linears(engine.scheduler.runner.model)]
 
 
+def snapshot(engine: Engine) -> list[list[torch.Tensor]]:
+    """The int8 copies' values (an update rewrites them in place)."""
+    return [[t.clone() for t in copy if t is not None] for copy in int8_copies(engine)]
+
+
+def same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return all(len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y))
+               for x, y in zip(a, b, strict=True))
+
+
 @pytest.fixture(scope="module")
 def expected(paths) -> dict[str, object]:
     """What a fresh int8 engine serves from checkpoint b, and its int8 copies."""
     with int8_engine(paths["b"]) as fresh:
-        return {"outputs": outputs(fresh), "copies": int8_copies(fresh)}
+        return {"outputs": outputs(fresh), "copies": snapshot(fresh)}
 
 
 def sender_update(engines: list[Engine], tensors: dict, **kwargs) -> None:
@@ -107,8 +117,24 @@ def test_two_phase_distributed_requantizes_every_target(paths, expected):
         for engine in (one, two):
             assert engine.get_weight_version() == "b"
             assert outputs(engine) == expected["outputs"]
-            for got, want in zip(int8_copies(engine), expected["copies"], strict=True):
-                assert torch.equal(got.weight, want.weight) and torch.equal(got.scale, want.scale)
+            assert same(snapshot(engine), expected["copies"])
+
+
+def test_updates_rewrite_the_int8_copies_in_place(paths, expected):
+    """An update writes the new int8 copies into the old ones' memory (fresh pages inside the
+    transaction would cost more than quantizing); releasing the weights frees them, and the
+    update after the resume builds them again."""
+    with int8_engine(paths["a"]) as engine:
+        where = [[t.data_ptr() for t in copy if t is not None] for copy in int8_copies(engine)]
+        update(engine, paths["b"], "tensor")
+        assert [[t.data_ptr() for t in c if t is not None] for c in int8_copies(engine)] == where
+        assert same(snapshot(engine), expected["copies"])
+        assert engine.release_memory_occupation(["weights"])["success"]
+        assert all(copy is None for copy in int8_copies(engine))
+        assert engine.resume_memory_occupation(["weights"])["success"]
+        update(engine, paths["b"], "tensor")
+        assert same(snapshot(engine), expected["copies"])
+        assert outputs(engine) == expected["outputs"]
 
 
 def test_tensor_parallel_requantizes(paths):
@@ -125,21 +151,21 @@ def test_nan_update_refused_old_int8_serving(paths):
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[3] = float("nan")
     with int8_engine(paths["a"]) as engine:
-        before, copies = outputs(engine), int8_copies(engine)
+        before, copies = outputs(engine), snapshot(engine)
         with pytest.raises(ValueError, match="non-finite"):
             engine.update_weights_from_tensor(tensors, weight_version="bad")
         assert engine.get_weight_version() == "0"
-        assert all(a is b for a, b in zip(int8_copies(engine), copies, strict=True))
+        assert same(snapshot(engine), copies)
         assert outputs(engine) == before
 
 
 def test_aborted_two_phase_update_leaves_old_int8_serving(paths):
     with int8_engine(paths["a"]) as engine:
-        before, copies = outputs(engine), int8_copies(engine)
+        before, copies = outputs(engine), snapshot(engine)
         engine.prepare_weights_from_disk(paths["b"])
         engine.abort_weights_update()
         assert engine.get_weight_version() == "0"
-        assert all(a is b for a, b in zip(int8_copies(engine), copies, strict=True))
+        assert same(snapshot(engine), copies)
         assert outputs(engine) == before
 
 
