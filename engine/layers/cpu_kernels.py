@@ -142,12 +142,13 @@ BLOCK = 32  # outputs per block of the blocked layout
 
 def block_pack(w: torch.Tensor) -> torch.Tensor:
     """Weights [..., n, k] in the blocked layout [..., n / 32, k / G, 32, G] the csrc kernels
-    read (blocked_linear, and the int8 VNNI kernel), G the inputs one 32-bit lane holds (2 in
-    bf16, 1 in float32, 4 in int8): for each block of 32 outputs and each group of G inputs, the
-    32 outputs' weights side by side. A kernel loads a block's weights for a group in two
-    vectors and broadcasts x's group (AVX512-BF16's pairwise products, float32 FMAs or VNNI's
-    int8 ones), with no horizontal sums; for the experts it beat both the small-batch kernel and
-    oneDNN's packed matmul at every row count of bench/moe.py's shapes (docs/performance.md)."""
+    read, G the inputs one 32-bit lane holds (2 in bf16, 1 in float32, 4 in int8: the layout
+    quantize_weight_ writes for the VNNI kernel): for each block of 32 outputs and each group of
+    G inputs, the 32 outputs' weights side by side. A kernel loads a block's weights for a group
+    in two vectors and broadcasts x's group (AVX512-BF16's pairwise products, float32 FMAs or
+    VNNI's int8 ones), with no horizontal sums; for the experts blocked_linear beat both the
+    small-batch kernel and oneDNN's packed matmul at every row count of bench/moe.py's shapes
+    (docs/performance.md)."""
     *lead, n, k = w.shape
     group = 4 // w.element_size()
     return (w.detach().reshape(-1, n // BLOCK, BLOCK, k // group, group)

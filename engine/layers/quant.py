@@ -14,6 +14,9 @@ SmolLM2-135M it cuts the logprob error of int8 rollouts by more than half (docs/
 
 The int32 matmul is torch._int_mm (oneDNN: VNNI or AMX kernels), with the weight stored [n, k]
 and passed transposed; the CPU kernels (csrc/quant.cpp) quantize x and rescale in one pass each.
+With AVX512-VNNI the copy is also kept in an int8 blocked layout, and steps of up to 32 rows
+(csrc's VNNI_ROWS: batch 1, a rollout's tail) take csrc's VNNI kernel on it, which streams the
+weight faster there; its int32 sums are exact too, so the bits do not depend on the path.
 Every output row depends on its own inputs only. Where the CPU has neither AVX512-VNNI, AVX-VNNI
 nor AMX-INT8 the same math runs (oneDNN's int8 kernels without VNNI) and the reason is logged:
 correct, not faster than the float path.

@@ -101,6 +101,7 @@ def test_vnni_kernel_gives_the_int_mm_bits(dtype):
     assert qw.blocked.shape == (3, 384, 32, 4)
     assert torch.equal(qw.blocked[2, 17, 5, 3], q[2 * 32 + 5, 17 * 4 + 3])
     assert torch.equal(qw.blocked.permute(0, 2, 1, 3).reshape(96, 1536), q)
+    assert torch.equal(qw.blocked, cpu_kernels.block_pack(q))
     assert torch.equal(qw.comp, 128 * q.int().sum(1))
     plain = qw._replace(blocked=None, comp=None)
     for m in (1, 2, 11, 12, 13, 25, 32, 33):
