@@ -156,8 +156,8 @@ def block_pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """x [m, k] @ weight.T, the weight [n, k] given in the blocked layout (layers/moe.py's
-    block_pack), in x's dtype; needs AVX-512 (and AVX512-BF16 for bf16)."""
+    """x [m, k] @ weight.T, the weight [n, k] given in the blocked layout (block_pack), in x's
+    dtype; needs AVX-512 (and AVX512-BF16 for bf16)."""
     return torch.ops.hotswap.blocked_linear(x, blocked)
 
 
@@ -180,7 +180,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 ) -> torch.Tensor:
     """x [m, k] (float32 or bf16) @ the int8 weight [n, k] with its float32 scales [n], x
     quantized per row as quantize_rows does; (+ bias) (+ residual), in x's dtype. blocked, comp:
-    the weight in the int8 blocked layout and its compensation (layers/quant.py's vnni_pack),
+    the weight in the int8 blocked layout and its compensation (quantize_weight_'s),
     which few rows multiply with the VNNI kernel; the int32 sums are exact either way."""
     return torch.ops.hotswap.int8_linear(x, weight, scale, bias, residual, block, blocked, comp)
 

@@ -90,8 +90,7 @@ class ExpertQuant(NamedTuple):
     """The int8 copies of every expert's w13 and w2 (quantization="int8"; layers/quant.py: per
     output channel, rotated along k), rebuilt with the int8 copies of the linear layers; on a
     CPU with AVX512-VNNI also in the int8 blocked layout (quant.py's QuantWeight) for csrc's
-    VNNI kernel,
-    which every expert then runs on (exact int32 sums: the same bits as torch._int_mm)."""
+    VNNI kernel, which every expert then runs on (exact int32 sums: torch._int_mm's bits)."""
 
     w13: torch.Tensor  # int8 [E, 2I, H]
     scale13: torch.Tensor  # float32 [E, 2I]
@@ -113,20 +112,20 @@ class ExpertQuant(NamedTuple):
     def flat(self) -> tuple[QuantWeight, QuantWeight]:
         """w13's and w2's copies as one int8 copy each of the stacked weights [E * n, k]
         (views: quantize_weight writes through them)."""
-        def flat(w, scale, blocked, comp):
+        def stacked(w, scale, blocked, comp):
             return QuantWeight(w.flatten(0, 1), scale.flatten(),
                                None if blocked is None else blocked.flatten(0, 1),
                                None if comp is None else comp.flatten())
 
-        return (flat(self.w13, self.scale13, self.blocked13, self.comp13),
-                flat(self.w2, self.scale2, self.blocked2, self.comp2))
+        return (stacked(self.w13, self.scale13, self.blocked13, self.comp13),
+                stacked(self.w2, self.scale2, self.blocked2, self.comp2))
 
     def expert(self, e: int) -> tuple[QuantWeight, QuantWeight]:
-        if self.blocked13 is None:
-            return (QuantWeight(self.w13[e], self.scale13[e]),
-                    QuantWeight(self.w2[e], self.scale2[e]))
-        return (QuantWeight(self.w13[e], self.scale13[e], self.blocked13[e], self.comp13[e]),
-                QuantWeight(self.w2[e], self.scale2[e], self.blocked2[e], self.comp2[e]))
+        def of_e(*tensors):
+            return QuantWeight(*(None if t is None else t[e] for t in tensors))
+
+        return (of_e(self.w13, self.scale13, self.blocked13, self.comp13),
+                of_e(self.w2, self.scale2, self.blocked2, self.comp2))
 
 
 def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, out: ExpertQuant | None = None
@@ -140,13 +139,13 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, out: ExpertQuant | Non
     q13 = quantize_weight(w13.reshape(e * two_i, hidden), old13, vnni)
     q2 = quantize_weight(w2.reshape(e * hidden, inter), old2, vnni)
 
-    def per_expert(q: QuantWeight, n: int, k: int) -> list[torch.Tensor | None]:
-        blocked = None if q.blocked is None else q.blocked.view(e, n // BLOCK, k // 4, BLOCK, 4)
-        comp = None if q.comp is None else q.comp.view(e, n)
-        return [q.weight.view(e, n, k), q.scale.view(e, n), blocked, comp]
+    def per_expert(q: QuantWeight, n: int, k: int) -> tuple[torch.Tensor | None, ...]:
+        return (q.weight.view(e, n, k), q.scale.view(e, n),
+                None if q.blocked is None else q.blocked.view(e, n // BLOCK, k // 4, BLOCK, 4),
+                None if q.comp is None else q.comp.view(e, n))
 
-    (w13q, s13, b13, c13), (w2q, s2, b2, c2) = per_expert(q13, two_i, hidden), per_expert(
-        q2, hidden, inter)
+    w13q, s13, b13, c13 = per_expert(q13, two_i, hidden)
+    w2q, s2, b2, c2 = per_expert(q2, hidden, inter)
     return ExpertQuant(w13q, s13, w2q, s2, b13, c13, b2, c2)
 
 

@@ -37,10 +37,8 @@ logger = logging.getLogger(__name__)
 
 # CPU flags with int8 dot-product instructions (oneDNN's fast int8 matmuls).
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+AVX512_VNNI = "avx512_vnni" in read_cpu_flags()  # csrc's VNNI kernel (vnni_sums)
 HADAMARD_MAX_BLOCK = 512
-
-
-AVX512_VNNI = "avx512_vnni" in read_cpu_flags()
 
 
 class QuantWeight(NamedTuple):

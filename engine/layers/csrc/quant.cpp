@@ -206,6 +206,21 @@ void check_block(int64_t k, int64_t block) {
               "block must be a power of two dividing ", k, ", got ", block);
 }
 
+bool is(const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
+  return t.scalar_type() == dtype && t.is_contiguous() && t.numel() == numel;
+}
+
+// `blocked` and `comp` (given together or not at all) fit a weight [n, k]: contiguous int8
+// [n / 32, k / 4, 32, 4] and int32 [n], n a multiple of 32 and k of 4.
+void check_blocked(const std::optional<at::Tensor>& blocked,
+                   const std::optional<at::Tensor>& comp, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(blocked.has_value() == comp.has_value(), op, ": blocked and comp go together");
+  TORCH_CHECK(!blocked || (is(*blocked, at::kChar, n * k) && is(*comp, at::kInt, n) &&
+                           n % 32 == 0 && k % 4 == 0),
+              op, ": blocked must be the weight's int8 blocked layout [n / 32, k / 4, 32, 4] "
+              "(contiguous) and comp int32 [n], n a multiple of 32 and k of 4");
+}
+
 // Rows of x [m, k] quantized into q [m, k] and scale [m]; with `blocked`, each row also into the
 // int8 blocked layout [m / 32, k / 4, 32, 4] (its 4-byte groups 32 apart) and 128 times its sum
 // into `comp`, while the row is in L1. Threads take blocks of 32 rows (one of the layout's).
@@ -254,18 +269,9 @@ void quantize_weight_(const at::Tensor& w, int64_t block, const at::Tensor& q,
   TORCH_CHECK(w.dim() == 2, "quantize_weight_: w must be 2-D");
   check_block(w.size(1), block);
   const int64_t n = w.size(0), k = w.size(1);
-  auto is = [](const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
-    return t.scalar_type() == dtype && t.is_contiguous() && t.numel() == numel;
-  };
   TORCH_CHECK(is(q, at::kChar, n * k) && is(scale, at::kFloat, n),
               "quantize_weight_: q must be contiguous int8 [n, k], scale float32 [n]");
-  TORCH_CHECK(blocked.has_value() == comp.has_value(),
-              "quantize_weight_: blocked and comp go together");
-  if (blocked)
-    TORCH_CHECK(is(*blocked, at::kChar, n * k) && is(*comp, at::kInt, n) && n % 32 == 0 &&
-                    k % 4 == 0,
-                "quantize_weight_: blocked must be contiguous int8 [n / 32, k / 4, 32, 4] and "
-                "comp int32 [n], n a multiple of 32 and k of 4");
+  check_blocked(blocked, comp, n, k, "quantize_weight_");
   const auto wc = w.contiguous();
   dispatch(wc.scalar_type(), "quantize_weight_", [&](auto tag) {
     using T = decltype(tag);
@@ -286,17 +292,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
               "int8_linear: weight must be contiguous int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0),
               "int8_linear: scale must be float32 [n]");
-  const int64_t m = x.size(0), n = weight.size(0);
-  const int64_t k = x.size(1);
+  const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
+  check_blocked(blocked, comp, n, k, "int8_linear");
   auto [q, xs] = quantize_rows(x, block);
   at::Tensor acc;
   if (blocked && m <= VNNI_ROWS) {
-    TORCH_CHECK(has_vnni_kernel() && comp && blocked->numel() == weight.numel() &&
-                    blocked->scalar_type() == at::kChar && blocked->is_contiguous() &&
-                    n % 32 == 0 && k % 4 == 0 && comp->scalar_type() == at::kInt &&
-                    comp->numel() == n,
-                "int8_linear: blocked must be the weight in the int8 blocked layout, with comp "
-                "int32 [n]");
+    TORCH_CHECK(has_vnni_kernel(), "int8_linear: the blocked layout needs AVX512-VNNI");
     acc = at::empty({m, n}, x.options().dtype(at::kInt));
     vnni_sums(q.data_ptr<int8_t>(), blocked->data_ptr<int8_t>(), comp->data_ptr<int32_t>(),
               acc.data_ptr<int32_t>(), m, k, n);
