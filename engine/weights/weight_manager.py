@@ -359,11 +359,7 @@ class WeightManager:
             self.incomplete = f"update to version {version!r} failed while writing: {exc}"
             sched.abort_all(self.incomplete)
             return {"success": False, "message": self.incomplete, "weight_version": self.version}
-        self._serve_new_weights(version)
-        # Serving resumes only once every tensor a failed update touched has been rewritten.
-        self._damaged -= set(names)
-        if not self._damaged:
-            self.incomplete = None
+        self._serve_new_weights(version, names)
         self.last_update_s = time.perf_counter() - start
         stages.lap("commit")
         message = f"updated to version {version!r}"
@@ -415,10 +411,7 @@ class WeightManager:
             self.runner.weights_changed()
             return self.abort_stage(f"quantizing the staged weights failed: {exc}")
         self.stage = None
-        self._serve_new_weights(version)
-        self._damaged -= stage.written
-        if not self._damaged:
-            self.incomplete = None
+        self._serve_new_weights(version, stage.written)
         if not stage.was_paused:
             self.scheduler.resume()
         return {"success": True, "weight_version": version,
@@ -440,13 +433,17 @@ class WeightManager:
         return {"success": False, "weight_version": self.version,
                 "message": self.incomplete or why}
 
-    def _serve_new_weights(self, version: str) -> None:
+    def _serve_new_weights(self, version: str, written: Iterable[str]) -> None:
         """New weights serve as `version`: every cached prefix was computed with the old ones
-        and retires, even under the same label (invariant 1)."""
+        and retires, even under the same label (invariant 1). Serving resumes only once every
+        tensor a failed update touched has been rewritten (`written` now has been)."""
         self.version = version
         self.epoch += 1
         epoch = self.epoch
         self.scheduler.retire_namespaces(lambda ns: ns.weight_epoch != epoch)
+        self._damaged -= set(written)
+        if not self._damaged:
+            self.incomplete = None
 
     def relabel(self, new_version: str, abort_all: bool) -> dict:
         """Scheduler thread: a new label for the same weights; old namespaces retire."""
