@@ -180,15 +180,15 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
     packs = packs or ExpertPacks([], [])
     blocked = packs.blocked13 is not None
     for e, n, end in zip(active.tolist(), counts[active].tolist(), ends.tolist(), strict=True):
-        p13, p2 = (packs.w13[e], packs.w2[e]) if packs.w13 else (None, None)
-        q13, q2 = (packs.blocked13[e], packs.blocked2[e]) if blocked else (None, None)
+        rows = xs[end - n: end]
         if quant is not None:
             i13, i2 = quant.expert(e)
-            h = silu_and_mul(int8_linear(xs[end - n: end], i13))
-            out[end - n: end] = int8_linear(h, i2)
+            out[end - n: end] = int8_linear(silu_and_mul(int8_linear(rows, i13)), i2)
             continue
-        h = silu_and_mul(expert_linear(xs[end - n: end], w13[e], p13, q13))
-        out[end - n: end] = expert_linear(h, w2[e], p2, q2)
+        p13, p2 = (packs.w13[e], packs.w2[e]) if packs.w13 else (None, None)
+        b13, b2 = (packs.blocked13[e], packs.blocked2[e]) if blocked else (None, None)
+        h = silu_and_mul(expert_linear(rows, w13[e], p13, b13))
+        out[end - n: end] = expert_linear(h, w2[e], p2, b2)
     out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out)
 

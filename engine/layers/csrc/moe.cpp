@@ -20,10 +20,10 @@
 namespace hotswap {
 namespace {
 
-// The blocked layout of a weight [n, k] (layers/moe.py's block_pack): [n / 32, k / G, 32, G] with
-// G = 2 in bf16 and 1 in float32 (the inputs one 32-bit lane holds; quant.cpp's int8 kernel
-// takes G = 4): for each block of 32 outputs and each group of G inputs, the 32 outputs' weights
-// side by side.
+// The blocked layout of a weight [n, k] (layers/cpu_kernels.py's block_pack): [n / 32, k / G,
+// 32, G] with G = 2 in bf16 and 1 in float32 (the inputs one 32-bit lane holds; quant.cpp's int8
+// kernel takes G = 4): for each block of 32 outputs and each group of G inputs, the 32 outputs'
+// weights side by side.
 constexpr int64_t BLOCK = 32;
 
 #if defined(__AVX512F__)
