@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -19,18 +20,17 @@ from transformers import AutoTokenizer
 from hotswap.engine.client.protocol import (
     EngineClient,
     check_pause_mode,
-    check_staging,
     memory_tags,
     resolve_commit,
 )
 from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.core.namespace import ServingVersion
 from hotswap.engine.core.request import Req
 from hotswap.engine.distributed.launch import make_runner, resolve_launch
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.request_builder import RequestBuilder
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
-from hotswap.engine.weights.prepared import PreparedUpdate
 from hotswap.engine.weights.weight_manager import WeightManager
 from hotswap.weight_sync.serialize import deserialize_named_tensors
 
@@ -53,16 +53,13 @@ class Engine(EngineClient):
         self.model_config = model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.runner = _in_own_thread(lambda: make_runner(self.config, model_config))
-        self.weights = WeightManager(self.runner)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_ids(),
                                        self.config.context_length)
         self.loras = LoRAManager(self.config, model_config, self.runner.device,
                                  self.runner.dtype)
-        self.scheduler = Scheduler(self.config, self.runner, self.outputs,
-                                   lambda: self.weights.version, self.loras,
-                                   lambda: self.weights.epoch)
-        self.weights.attach(self.scheduler)
-        self.prepared = PreparedUpdate(self.weights)
+        serving = ServingVersion()
+        self.scheduler = Scheduler(self.config, self.runner, self.outputs, serving, self.loras)
+        self.weights = WeightManager(self.runner, self.scheduler, serving)
         self.loras.attach(self.scheduler)
         self.requests = RequestBuilder(
             self.tokenizer, model_config.vocab_size, self.config.context_length,
@@ -90,8 +87,7 @@ class Engine(EngineClient):
         atexit.unregister(self._at_exit)
         self.scheduler.shutdown()
         self.weights.close()
-        if hasattr(self.runner, "shutdown"):  # tensor parallel: stop the worker processes
-            self.runner.shutdown()
+        self.runner.shutdown()
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None,
@@ -184,14 +180,16 @@ class Engine(EngineClient):
 
     def pause_generation(self, mode: str = "retract") -> dict:
         out = self.scheduler.pause(check_pause_mode(mode, "mode"))
-        if self.weights.stage is not None:  # the user's pause outlives the staged update
-            self.weights.stage.was_paused = True
+        update = self.weights.open_update
+        if update is not None:  # the user's pause outlives the update
+            update.was_paused = True
         return out
 
     def continue_generation(self) -> dict:
-        """Commits a staged weight update first (slime pauses, pushes buckets, continues)."""
+        """Commits an update that holds generation first (slime pauses, pushes buckets,
+        continues)."""
         committed = ""
-        if self.weights.stage is not None:
+        if self._holding_update():
             out = self.commit_weight_update()
             if not out["success"]:
                 return out
@@ -200,8 +198,9 @@ class Engine(EngineClient):
         return {**out, "message": out["message"] + committed}
 
     def flush_cache(self, timeout_s: float | None = None) -> dict:
-        """Commits a staged weight update first: SGLang trainers end a bucketed update with it."""
-        if self.weights.stage is not None:
+        """Commits an update that holds generation first: SGLang trainers end a bucketed update
+        with it."""
+        if self._holding_update():
             committed = self.commit_weight_update()
             if not committed["success"]:
                 return committed
@@ -219,9 +218,9 @@ class Engine(EngineClient):
     def _release_memory(self, tags: list[str]) -> dict:
         # Scheduler thread: nothing may be admitted between the scheduler's check and the
         # weights' release.
-        if self.weights.stage is not None:
-            return {"success": False, "message": "a staged weight update is open; commit or "
-                    "abort it before releasing memory"}
+        if self.weights.open_update is not None:
+            return {"success": False, "message": "a weight update is open; commit or abort it "
+                    "before releasing memory"}
         out = self.scheduler.release_memory(tags)
         if out["success"] and "weights" in tags:
             self.weights.release_weights()
@@ -241,6 +240,11 @@ class Engine(EngineClient):
     def get_weight_version(self) -> str:
         return self.weights.version
 
+    def _holding_update(self) -> bool:
+        update = self.weights.open_update
+        return update is not None and update.holds_generation
+
+    # Every update route is a thin call onto one weight-update transaction (engine/weights/).
     # `flush_cache` on the update calls only decides what commit=None means (resolve_commit):
     # every commit retires all KV of older versions and frees it, so a flush has nothing to drop.
 
@@ -248,8 +252,8 @@ class Engine(EngineClient):
                                    flush_cache: bool = True, *, weight_version: str | None = None,
                                    pause_mode: str = "retract",
                                    commit: bool | None = None) -> dict:
-        """Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped. A staged
-        update (commit=False) holds generation and keeps the version until
+        """Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped. With
+        commit=False the update holds generation and keeps the version until
         commit_weight_update() (or a later call that commits) makes it one version."""
         _check_direct_format(load_format)
         return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode,
@@ -286,15 +290,6 @@ class Engine(EngineClient):
             raise ValueError("new_version must be a non-empty string")
         return self.scheduler.run(lambda: self.weights.relabel(new_version, abort_all_requests))
 
-    def commit_weight_update(self, weight_version: str | None = None) -> dict:
-        """Commit the staged update (commit=False calls) as one version; a no-op without one."""
-        return self.scheduler.run(lambda: self.weights.commit_stage(weight_version))
-
-    def abort_weight_update(self) -> dict:
-        """Drop the staged update. If it wrote tensors, generation is refused until a complete
-        update succeeds (the weights are half a version)."""
-        return self.scheduler.run(self.weights.abort_stage)
-
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "auto") -> dict:
@@ -318,20 +313,21 @@ class Engine(EngineClient):
                                         lora_name: str | None = None,
                                         staging: str | None = None) -> dict:
         """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
-        it (bumping its version); the base weights and their version are untouched. staging:
-        where base weights land (docs/api.md#where-an-update-lands); an adapter is always
-        received beside the serving one."""
+        it (bumping its version); the base weights and their version are untouched, so the
+        base update's arguments (weight_version, commit, flush_cache=False, staging) are
+        refused. staging: where base weights land (docs/api.md#where-an-update-lands)."""
         if lora_name is not None:
-            group = self.weights.group(group_name)
             try:
-                if staging is not None:
-                    check_staging(staging)
+                _check_adapter_update(weight_version, commit, flush_cache, staging)
                 self._check_lora_supported()
-            except ValueError:  # take part in the broadcast, so the sender finishes
-                self.weights.discard(group, names, dtypes, shapes, load_format)
+            except ValueError:  # take part in the broadcast (if joined), so the sender finishes
+                with contextlib.suppress(ValueError):
+                    self.weights.discard(self.weights.group(group_name), names, dtypes, shapes,
+                                         load_format)
                 raise
             return self.loras.update_from_distributed(
-                lora_name, group, names, dtypes, shapes, load_format, pause_mode)
+                lora_name, self.weights.group(group_name), names, dtypes, shapes, load_format,
+                pause_mode)
         return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
                                                     weight_version, pause_mode, load_format,
                                                     resolve_commit(commit, flush_cache),
@@ -340,24 +336,34 @@ class Engine(EngineClient):
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
 
-    # Two-phase updates for coordinators of several engines (WeightSender, Router): prepare
-    # receives and validates into staging while serving goes on; commit or abort follows.
+    # Two phases for coordinators of several engines (WeightSender, Router, RayFleet): a
+    # prepare call receives and validates beside the serving weights; commit or abort follows.
 
     def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                          shapes: list[list[int]],
                                          group_name: str = "weight_update_group",
                                          load_format: str | None = None) -> dict:
-        return self.prepared.from_distributed(names, dtypes, shapes, group_name, load_format)
+        return self.weights.prepare_from_distributed(names, dtypes, shapes, group_name,
+                                                     load_format)
 
     def prepare_weights_from_disk(self, model_path: str) -> dict:
-        return self.prepared.from_disk(model_path)
+        return self.weights.prepare_from_disk(model_path)
 
-    def commit_weights_update(self, weight_version: str | None = None,
-                              pause_mode: str = "retract") -> dict:
-        return self.prepared.commit(weight_version, pause_mode)
+    def prepare_weights_from_tensor(self, named_tensors: Any) -> dict:
+        """(HF name, tensor) pairs in hand (a Ray fleet's object store): kept by reference."""
+        return self.weights.prepare_from_tensor(named_tensors)
 
-    def abort_weights_update(self) -> dict:
-        return self.prepared.abort()
+    def commit_weight_update(self, weight_version: str | None = None,
+                             pause_mode: str | None = None) -> dict:
+        """The open update (prepared, or pieces sent with commit=False) becomes one version;
+        ValueError when none is open. pause_mode: a prepared update's (default "retract");
+        pieces paused generation with their own when the first arrived."""
+        return self.weights.commit(weight_version, pause_mode)
+
+    def abort_weight_update(self) -> dict:
+        """Drop the open update: nothing changes, unless pieces were already written in place
+        (commit=False): then generation is refused until a complete update succeeds."""
+        return self.weights.abort()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.weights.get_weights_by_name(name, truncate_size)
@@ -396,6 +402,17 @@ class Engine(EngineClient):
         """Invariant 2 (conservation) and the tree's own checks, run in the scheduler thread."""
         self.scheduler.check_integrity()
 
+
+
+def _check_adapter_update(weight_version: str | None, commit: bool | None, flush_cache: bool,
+                          staging: str | None) -> None:
+    given = [name for name, value in (("weight_version", weight_version), ("commit", commit),
+                                      ("staging", staging)) if value is not None]
+    if flush_cache is not True:
+        given.append("flush_cache")
+    if given:
+        raise ValueError(f"{', '.join(given)}: not for an adapter update (lora_name is set); "
+                         "the adapter is replaced at once, under its own version")
 
 
 def _check_direct_format(load_format: str | None) -> None:

@@ -122,36 +122,48 @@ class Coordinator(EngineClient):
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
                                  pause_mode: str = "retract", commit: bool | None = None) -> dict:
-        if not resolve_commit(commit, flush_cache):
+        commit = resolve_commit(commit, flush_cache)
+        if not commit or self._pieces_open():
             return self._staged(lambda e: e.update_weights_from_disk(
                 model_path, load_format, weight_version=weight_version, pause_mode=pause_mode,
-                commit=False), False, weight_version)
+                commit=False), commit, weight_version)
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r}: checkpoints load as safetensors")
         return self._two_phase(lambda e: e.prepare_weights_from_disk(model_path),
                                self.members(), weight_version, pause_mode)
 
     @_one_update_at_a_time
-    def commit_weight_update(self, weight_version: str | None = None) -> dict:
+    def commit_weight_update(self, weight_version: str | None = None,
+                             pause_mode: str | None = None) -> dict:
+        """The open update on every member as one version: a prepared one at the version they
+        all proposed (or the one given); pieces (commit=False) at the version the first member
+        picks (it knows its own history), the others following."""
         members = self._staged_on or self.members()
-        # The first member picks the version (it knows its own history) and the rest follow.
+        if self._proposed is not None:
+            version = weight_version or self._proposed
+            return self._committed(self.call_each(
+                lambda e: e.commit_weight_update(version, pause_mode), members), version,
+                members)
         label, first_engine = members[0]
-        first = first_engine.commit_weight_update(weight_version)
+        first = first_engine.commit_weight_update(weight_version, pause_mode)
         if not first.get("success"):
-            self._abort_staged(members)
+            self.abort_weight_update()
             return {**first, "message": f"{label}: {first.get('message')}; every member "
-                    "aborted its staged update"}
+                    "aborted its open update"}
         version = first["weight_version"]
         rest = self.call_each_indexed(lambda i, e: first if i == 0 else
                                       e.commit_weight_update(version), members)
         return self._committed(rest, version, members)
 
-    def abort_weight_update(self) -> dict:
-        return self._abort_staged(self._staged_on or self.members())
+    def _pieces_open(self) -> bool:
+        """Whether members hold pieces sent with commit=False: a committing update then joins
+        them (as on an Engine) instead of preparing beside them."""
+        return self._staged_on is not None and self._proposed is None
 
     @_one_update_at_a_time
-    def _abort_staged(self, members: list[Member]) -> dict:
-        self._staged_on = None
+    def abort_weight_update(self) -> dict:
+        members = self._staged_on or self.members()
+        self._staged_on, self._proposed = None, None
         return self._combined(self.call_each(lambda e: e.abort_weight_update(), members),
                               "aborted")
 
@@ -205,11 +217,12 @@ class Coordinator(EngineClient):
                 names, dtypes, shapes, group_name, flush_cache, load_format,
                 pause_mode=pause_mode, lora_name=lora_name), members),
                 f"updated adapter {lora_name!r}")
-        if not resolve_commit(commit, flush_cache):
+        commit = resolve_commit(commit, flush_cache)
+        if not commit or self._pieces_open():
             return self._staged(lambda e: e.update_weights_from_distributed(
                 names, dtypes, shapes, group_name, flush_cache, load_format,
                 weight_version=weight_version, pause_mode=pause_mode, commit=False,
-                staging=staging), False, weight_version, members)
+                staging=staging), commit, weight_version, members)
         return self._two_phase(lambda e: e.prepare_weights_from_distributed(
             names, dtypes, shapes, group_name, load_format), members, weight_version,
             pause_mode)
@@ -219,7 +232,8 @@ class Coordinator(EngineClient):
         results = self.call_each(lambda e: e.destroy_weights_update_group(group_name), members)
         return self._combined(results, f"destroyed {group_name!r}")
 
-    # weights: two phases, the coordinator itself a participant of a larger one
+    # weights: two phases (prepare, then commit_weight_update), the coordinator itself a
+    # participant of a larger one
 
     def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                          shapes: list[list[int]],
@@ -230,21 +244,6 @@ class Coordinator(EngineClient):
 
     def prepare_weights_from_disk(self, model_path: str) -> dict:
         return self._prepare(lambda e: e.prepare_weights_from_disk(model_path), self.members())
-
-    @_one_update_at_a_time
-    def commit_weights_update(self, weight_version: str | None = None,
-                              pause_mode: str = "retract") -> dict:
-        # One version for all: each member left to itself might pick a different next one.
-        members = self._staged_on or self.members()
-        version = weight_version or self._proposed
-        return self._committed(self.call_each(
-            lambda e: e.commit_weights_update(version, pause_mode), members), version, members)
-
-    @_one_update_at_a_time
-    def abort_weights_update(self) -> dict:
-        members, self._staged_on = self._staged_on or self.members(), None
-        return self._combined(self.call_each(lambda e: e.abort_weights_update(), members),
-                              "aborted")
 
     # LoRA adapters: the same adapters everywhere
 
@@ -269,7 +268,7 @@ class Coordinator(EngineClient):
         results = self.call_each(prepare, members)
         failed = failures(results)
         if failed:
-            self.call_each(lambda e: e.abort_weights_update(), members)
+            self.call_each(lambda e: e.abort_weight_update(), members)
             message = f"update refused by {failed}; no member committed it"
             raise_bad_input(results, message)
             return {"success": False, "message": message, "weight_version": None}
@@ -288,7 +287,7 @@ class Coordinator(EngineClient):
         prepared = self._prepare(prepare, members)
         if not prepared["success"]:
             return prepared
-        return self.commit_weights_update(weight_version, pause_mode)
+        return self.commit_weight_update(weight_version, pause_mode)
 
     @_one_update_at_a_time
     def _staged(self, stage: Callable[[Any], dict], commit: bool, weight_version: str | None,
@@ -299,7 +298,7 @@ class Coordinator(EngineClient):
         results = self.call_each(stage, members)
         failed = failures(results)
         if failed:
-            self._abort_staged(members)
+            self.abort_weight_update()
             message = f"update refused by {failed}; no member committed it"
             raise_bad_input(results, message)
             return {"success": False, "weight_version": None, "message": message}
@@ -310,7 +309,7 @@ class Coordinator(EngineClient):
 
     def _committed(self, results: Results, version: str | None,
                    members: list[Member]) -> dict:
-        self._staged_on = None
+        self._staged_on, self._proposed = None, None
         failed = failures(results)
         if failed:
             # Every member held the validated update; a commit fails only if a member died.

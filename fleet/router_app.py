@@ -27,11 +27,6 @@ from starlette.responses import Response, StreamingResponse
 
 from hotswap.engine.errors import RemoteEngineError
 from hotswap.engine.server.app import control_paths, install_error_handlers, route_table
-from hotswap.engine.server.prepared_routes import (
-    CommitRequest,
-    PrepareFromDiskRequest,
-    PrepareFromDistributedRequest,
-)
 from hotswap.engine.server.protocol import (
     GroupRequest,
     InitGroupRequest,
@@ -40,7 +35,12 @@ from hotswap.engine.server.protocol import (
     WeightsByNameRequest,
 )
 from hotswap.engine.server.serving import GuardMiddleware, error_response, json_response
-from hotswap.engine.server.sglang_compat import UpdateFromTensorRequest, WeightVersionBody
+from hotswap.engine.server.sglang_compat import UpdateFromTensorRequest
+from hotswap.engine.server.update_routes import (
+    CommitRequest,
+    PrepareFromDiskRequest,
+    PrepareFromDistributedRequest,
+)
 from hotswap.fleet.affinity import affinity_key
 from hotswap.fleet.coordinator import ServersDisagree, failures
 from hotswap.fleet.router import Router
@@ -73,13 +73,12 @@ def _owned(router: Router) -> dict[str, tuple[type[BaseModel] | None, bool, Call
                                              router.update_weights_from_distributed),
         "/destroy_weights_update_group": (GroupRequest, True,
                                           router.destroy_weights_update_group),
-        "/commit_weight_update": (WeightVersionBody, True, router.commit_weight_update),
         "/prepare_weights_from_distributed": (PrepareFromDistributedRequest, False,
                                               router.prepare_weights_from_distributed),
         "/prepare_weights_from_disk": (PrepareFromDiskRequest, False,
                                        router.prepare_weights_from_disk),
-        "/commit_weights_update": (CommitRequest, True, router.commit_weights_update),
-        "/abort_weights_update": (None, True, router.abort_weights_update),
+        "/commit_weight_update": (CommitRequest, True, router.commit_weight_update),
+        "/abort_weight_update": (None, True, router.abort_weight_update),
         "/get_weights_by_name": (WeightsByNameRequest, False, router.get_weights_by_name),
         "/debug/check_integrity": (None, True, check_integrity),
     }

@@ -43,6 +43,7 @@ class VLLMClient:
         self.engine = engine
         self.group_port = group_port
         self._updating_weights = False
+        self._staged = False  # pieces sent with commit=False and not yet committed
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0) -> None:
         if isinstance(self.engine, RemoteEngine):
@@ -121,6 +122,7 @@ class VLLMClient:
         result = self.engine.update_weights_from_tensor(pairs, None, False, commit=False)
         if not result["success"]:
             raise RuntimeError(result["message"])
+        self._staged = True
 
     def update_model_params(self, model: torch.nn.Module) -> None:
         metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape))
@@ -133,11 +135,15 @@ class VLLMClient:
         result = self.engine.flush_cache()
         if not result["success"]:
             raise RuntimeError(result["message"])
+        self._staged = False
 
     def _commit(self) -> None:
+        if not self._staged:  # committed already (reset_prefix_cache), or nothing was sent
+            return
         result = self.engine.commit_weight_update()
         if not result["success"]:
             raise RuntimeError(result["message"])
+        self._staged = False
 
 
 def _logprob_rows(meta: dict, logprobs: int) -> list[list[tuple[float, int]]]:

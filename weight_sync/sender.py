@@ -159,6 +159,11 @@ class WeightSender:
         extra = {k: v for k, v in {"lora_name": lora_name, "staging": staging}.items()
                  if v is not None}
         two_phase = len(targets) > 1 and lora_name is None
+        if lora_name is not None and (weight_version is not None or staging is not None
+                                      or flush_cache is not True):
+            raise ValueError("weight_version, staging, flush_cache=False: not for an adapter "
+                             "update (lora_name is set); the adapter is replaced at once, under "
+                             "its own version")
         if two_phase and staging not in (None, "standby"):
             raise ValueError(f"staging={staging!r} with {len(targets)} targets: two-phase "
                              "updates receive beside the live weights so that all or none "
@@ -200,7 +205,7 @@ class WeightSender:
             raise WeightSyncError(f"update {weight_version!r} failed on {failures}; no target "
                                   "committed it", failures)
         version = weight_version or agreed_version([c.result for c in calls])
-        commits = [_Call(t.commit_weights_update, weight_version=version, pause_mode=pause_mode)
+        commits = [_Call(t.commit_weight_update, weight_version=version, pause_mode=pause_mode)
                    for t in targets]
         failures = _failures(commits, targets, self.timeout_s)
         if failures:
@@ -320,7 +325,7 @@ def _rank_offsets(targets: list[Any]) -> list[int]:
     return offsets
 
 
-_TWO_PHASE = ("prepare_weights_from_distributed", "commit_weights_update", "abort_weights_update")
+_TWO_PHASE = ("prepare_weights_from_distributed", "commit_weight_update", "abort_weight_update")
 
 
 def _check_two_phase(targets: list[Any]) -> None:
@@ -339,7 +344,7 @@ def agreed_version(replies: list[dict]) -> str:
 
 
 def _abort_all(targets: list[Any], timeout_s: float) -> dict[str, str]:
-    calls = [_Call(t.abort_weights_update) for t in targets]
+    calls = [_Call(t.abort_weight_update) for t in targets]
     return _failures(calls, targets, timeout_s)
 
 

@@ -159,7 +159,8 @@ class EngineClient(ABC):
                                    pause_mode: str = "retract",
                                    commit: bool | None = None) -> dict:
         """(HF name, tensor) pairs or a dict; a subset of the weights is fine. commit=False
-        stages them (generation held) until commit_weight_update; None: see resolve_commit."""
+        sends a piece of an update that holds generation until commit_weight_update; None:
+        see resolve_commit."""
 
     @abstractmethod
     def update_weights_from_serialized(self, serialized_named_tensors: list[str],
@@ -175,15 +176,6 @@ class EngineClient(ABC):
                                  weight_version: str | None = None, flush_cache: bool = True,
                                  pause_mode: str = "retract", commit: bool | None = None) -> dict:
         """Loads a checkpoint folder of the same architecture (a path the engine can read)."""
-
-    @abstractmethod
-    def commit_weight_update(self, weight_version: str | None = None) -> dict:
-        """Commits the staged update (calls with commit=False) as one version."""
-
-    @abstractmethod
-    def abort_weight_update(self) -> dict:
-        """Drops the staged update; if it wrote tensors, generation is refused until a
-        complete update succeeds."""
 
     # weights: a trainer's process group
 
@@ -218,27 +210,31 @@ class EngineClient(ABC):
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """Leaves the group."""
 
-    # weights: two phases, for coordinators of several engines
+    # weights: the open update transaction (docs/api.md#the-weight-update-transaction)
 
     @abstractmethod
     def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                          shapes: list[list[int]],
                                          group_name: str = "weight_update_group",
                                          load_format: str | None = None) -> dict:
-        """Receives and validates into staging while serving goes on; proposes a version."""
+        """Opens an update received and validated beside the serving weights (serving goes
+        on) and proposes a version; commit_weight_update installs it."""
 
     @abstractmethod
     def prepare_weights_from_disk(self, model_path: str) -> dict:
-        """Reads and validates a checkpoint into staging while serving goes on."""
+        """Opens an update from a checkpoint, read and validated while serving goes on."""
 
     @abstractmethod
-    def commit_weights_update(self, weight_version: str | None = None,
-                              pause_mode: str = "retract") -> dict:
-        """Swaps the prepared weights in as one version."""
+    def commit_weight_update(self, weight_version: str | None = None,
+                             pause_mode: str | None = None) -> dict:
+        """Commits the open update (prepared, or pieces sent with commit=False) as one
+        version; ValueError when none is open. pause_mode applies to a prepared update
+        (None: "retract"); pieces paused generation with their own."""
 
     @abstractmethod
-    def abort_weights_update(self) -> dict:
-        """Drops the prepared weights; the serving ones never changed."""
+    def abort_weight_update(self) -> dict:
+        """Drops the open update; nothing changes unless pieces were written in place, in
+        which case generation is refused until a complete update succeeds."""
 
     # LoRA adapters
 

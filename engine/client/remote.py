@@ -166,12 +166,6 @@ class RemoteEngine(EngineClient):
                                   load_format=load_format, weight_version=weight_version,
                                   flush_cache=flush_cache, pause_mode=pause_mode, commit=commit)
 
-    def commit_weight_update(self, weight_version: str | None = None) -> dict:
-        return self._post_control("/commit_weight_update", weight_version=weight_version)
-
-    def abort_weight_update(self) -> dict:
-        return self._post_control("/abort_weight_update")
-
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         return self._post_control("/update_weight_version", new_version=new_version,
                                   abort_all_requests=abort_all_requests)
@@ -226,13 +220,13 @@ class RemoteEngine(EngineClient):
     def prepare_weights_from_disk(self, model_path: str) -> dict:
         return self._post_control("/prepare_weights_from_disk", model_path=model_path)
 
-    def commit_weights_update(self, weight_version: str | None = None,
-                              pause_mode: str = "retract") -> dict:
-        return self._post_control("/commit_weights_update", weight_version=weight_version,
+    def commit_weight_update(self, weight_version: str | None = None,
+                             pause_mode: str | None = None) -> dict:
+        return self._post_control("/commit_weight_update", weight_version=weight_version,
                                   pause_mode=pause_mode)
 
-    def abort_weights_update(self) -> dict:
-        return self._post_control("/abort_weights_update")
+    def abort_weight_update(self) -> dict:
+        return self._post_control("/abort_weight_update")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._post_control("/get_weights_by_name", name=name, truncate_size=truncate_size)

@@ -16,3 +16,15 @@ class Namespace:
     # Which weights, when a version label is reused for other weights (a trainer that labels
     # its first push "0", like the checkpoint it loaded): bumped at every weight change.
     weight_epoch: int = 0
+
+
+class ServingVersion:
+    """The weights being served: their version label and their epoch (weight changes served so
+    far, the namespaces' weight_epoch). The weight transactions write it on the scheduler
+    thread; the scheduler and the cache read it."""
+
+    __slots__ = ("label", "epoch")
+
+    def __init__(self, label: str = "0") -> None:
+        self.label = label
+        self.epoch = 0

@@ -116,6 +116,8 @@ class TPModelRunner(_TPRank, WeightSyncDriver):
     collectives that follow it hold one lock: the scheduler's forwards and a trainer's update
     (an RPC thread) never interleave on the group."""
 
+    tensor_parallel = True
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self._lock = threading.RLock()
         self.workers: list[mp.Process] = []

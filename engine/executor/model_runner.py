@@ -24,6 +24,10 @@ _CPU_DEFAULT_MAX_TOKENS = 262_144
 
 
 class ModelRunner:
+    # Whether this runner drives tensor-parallel workers (TPModelRunner): a weight update is
+    # then received on every rank (WeightSyncDriver's methods) instead of by this process.
+    tensor_parallel = False
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config = config
         self.model_config = model_config
@@ -66,6 +70,9 @@ class ModelRunner:
 
     def _load_weights(self) -> None:
         load_checkpoint(self.model, self.config.model_path)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (a tensor-parallel runner stops its workers)."""
 
     def check_alive(self) -> None:
         """Raises when the runner cannot run forwards any more (a tensor-parallel worker died)."""

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hotswap.engine.config import EngineConfig
-from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.core.namespace import Namespace, ServingVersion
 from hotswap.engine.kvcache.host_pool import HostKVPool
 from hotswap.engine.kvcache.memory import KVPool, TokenToKVPoolAllocator
 from hotswap.engine.kvcache.radix_cache import MatchResult, RadixCache, TierLoad, TreeNode
@@ -247,11 +247,11 @@ STORAGE_BLOCK_TOKENS = 64  # tokens per storage file (rounded up to whole pages)
 
 def make_radix_cache(config: EngineConfig, allocator: TokenToKVPoolAllocator, kv_pool: KVPool,
                      weights: Callable[[], Iterable[torch.Tensor]],
-                     current_version: Callable[[], str]) -> RadixCache:
+                     serving: ServingVersion) -> RadixCache:
     """The engine's prefix cache: a HiRadixCache when `enable_hierarchical_cache` is set.
 
-    `weights()` yields the model's tensors and `current_version()` names the version they
-    serve; together they give storage keys a fingerprint of the weights."""
+    `weights()` yields the model's tensors and `serving` names the version they serve;
+    together they give storage keys a fingerprint of the weights."""
     page_size = config.page_size
     disable = not config.enable_prefix_cache or config.deterministic
     if not config.enable_hierarchical_cache:
@@ -264,7 +264,7 @@ def make_radix_cache(config: EngineConfig, allocator: TokenToKVPoolAllocator, kv
         storage = KVStorage(config.hicache_storage_dir, block)
 
     def identity(version: str) -> str | None:
-        return weights_fingerprint(weights()) if version == current_version() else None
+        return weights_fingerprint(weights()) if version == serving.label else None
 
     return HiRadixCache(allocator, page_size, host, storage, identity,
                         write_through=config.hicache_write_policy == "write_through")

@@ -23,7 +23,7 @@ import torch
 
 from hotswap.engine.config import EngineConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
-from hotswap.engine.core.namespace import Namespace
+from hotswap.engine.core.namespace import Namespace, ServingVersion
 from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.omp import release_thread_team
@@ -44,15 +44,13 @@ T = TypeVar("T")
 
 class Scheduler(SchedulerControl):
     def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
-                 weight_version: Callable[[], str], lora: LoRAManager | None = None,
-                 weight_epoch: Callable[[], int] = lambda: 0):
+                 serving: ServingVersion, lora: LoRAManager | None = None):
         self.config = config
         self.runner = runner
         self.outputs = outputs
-        self.weight_version = weight_version
-        self.weight_epoch = weight_epoch
+        self.serving = serving  # written by the weight transactions, read here
         self.tree = make_radix_cache(config, runner.allocator, runner.kv_pool,
-                                     runner.model.parameters, weight_version)
+                                     runner.model.parameters, serving)
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
                             config.page_size)
         self.sampler = Sampler()
@@ -106,8 +104,8 @@ class Scheduler(SchedulerControl):
         return future.result()
 
     def namespace(self, req: Req) -> Namespace:
-        return Namespace(self.weight_version(), req.lora_name, self.lora.version(req.lora_name),
-                         req.cache_salt, self.weight_epoch())
+        return Namespace(self.serving.label, req.lora_name, self.lora.version(req.lora_name),
+                         req.cache_salt, self.serving.epoch)
 
     def is_live(self, req: Req) -> bool:
         """Whether `req`'s KV was computed by the current weights and adapter version."""
@@ -285,7 +283,7 @@ class Scheduler(SchedulerControl):
         batch = self._schedule()
         if batch is None:
             return False
-        version = self.weight_version()
+        version = self.serving.label
         # Grammar masks of this step's rows are filled on a worker while the forward runs.
         masks = self.grammars.prefetch([row.req for row in batch.sampling_rows])
         if self.config.deterministic:

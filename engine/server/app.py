@@ -31,7 +31,6 @@ from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.server.control_api import control, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
-from hotswap.engine.server.prepared_routes import prepared_routes
 from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from hotswap.engine.server.serving import (
     CLIENT_GONE,
@@ -50,6 +49,7 @@ from hotswap.engine.server.sglang_compat import (
     shape_output,
     translate_generate,
 )
+from hotswap.engine.server.update_routes import update_routes
 
 logger = logging.getLogger("hotswap.server")
 
@@ -59,7 +59,7 @@ open_routes = APIRouter()
 inference = APIRouter()
 # Control routes need the admin key; a router in front of several servers sends each of them to
 # every server (hotswap.fleet derives its fan-out from this table).
-CONTROL_ROUTERS = (control, memory_routes, lora_routes, prepared_routes, sglang_control)
+CONTROL_ROUTERS = (control, memory_routes, lora_routes, update_routes, sglang_control)
 ROUTERS = (open_routes, inference, sglang_routes, *CONTROL_ROUTERS)
 
 

@@ -47,10 +47,6 @@ class UpdateWeightVersionRequest(Body):
     abort_all_requests: bool = False
 
 
-class WeightVersionBody(Body):
-    weight_version: str | None = None
-
-
 class GenerateOptions:
     """What the response needs to know about an SGLang-style request."""
 
@@ -181,14 +177,3 @@ async def update_weights_from_tensor(state: State, body: UpdateFromTensorRequest
 async def update_weight_version(state: State, body: UpdateWeightVersionRequest) -> Response:
     return await blocking(state.engine.update_weight_version, body.new_version,
                           body.abort_all_requests)
-
-
-@sglang_control.post("/commit_weight_update")
-async def commit_weight_update(state: State, body: WeightVersionBody | None = None) -> Response:
-    return await blocking(state.engine.commit_weight_update,
-                          (body or WeightVersionBody()).weight_version)
-
-
-@sglang_control.post("/abort_weight_update")
-async def abort_weight_update(state: State) -> Response:
-    return await blocking(state.engine.abort_weight_update)

@@ -198,7 +198,8 @@ def test_control_routes_reach_every_server(cluster):
     assert httpx.post(f"{router}/update_weights_from_tensor", json=staged, headers=AUTH,
                       timeout=60).json()["success"]
     aborted = httpx.post(f"{router}/abort_weight_update", headers=AUTH, timeout=60).json()
-    assert set(aborted["servers"]) == set(urls)
+    # The pieces had been written on both servers: the abort says so for each of them.
+    assert not aborted["success"] and all(url in aborted["message"] for url in urls), aborted
     assert [s.get_weight_version() for s in servers] == ["norm-2"] * 2
     # The aborted stage had written into both servers: both refuse until a complete update.
     for url in urls:

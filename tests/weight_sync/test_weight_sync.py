@@ -96,12 +96,12 @@ class FakeTarget:
         self.prepared = staged
         return {"success": True, "message": "", "weight_version": self.proposal}
 
-    def commit_weights_update(self, weight_version, pause_mode):
+    def commit_weight_update(self, weight_version=None, pause_mode=None):
         self._apply(self.prepared, weight_version)
         self.prepared = None
         return self._reply(True, "")
 
-    def abort_weights_update(self):
+    def abort_weight_update(self):
         self.prepared = None
         self.aborts += 1
         return self._reply(True, "")

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 KINDS = ("engine", "remote", "router", "ray")
 # Public names an implementation may have besides the interface; anything else is drift.
 EXTRAS: dict[type, set[str]] = {
-    Engine: {"get_load"},
+    Engine: {"get_load", "prepare_weights_from_tensor"},  # tensors in hand: in-process only
     RemoteEngine: {"health", "get_metrics"},
     Router: {"choose", "done", "mark_down", "least_loaded", "members", "call_each",
              "call_each_indexed", "headers"},
@@ -239,10 +239,10 @@ def test_one_call_staged_and_two_phase_updates(client, models):
     assert_serves(client, models, "a")
 
     assert client.prepare_weights_from_disk(models["b"])["success"]
-    assert client.abort_weights_update()["success"]
+    assert client.abort_weight_update()["success"]
     assert client.get_weight_version() == "a1"
     assert client.prepare_weights_from_disk(models["b"])["success"]
-    assert client.commit_weights_update("b2", "retract")["weight_version"] == "b2"
+    assert client.commit_weight_update("b2", "retract")["weight_version"] == "b2"
     assert_serves(client, models, "b")
 
     client.update_weights_from_disk(models["a"], commit=False)

@@ -141,7 +141,7 @@ def _snapshot(engine: Engine) -> tuple:
     base = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
     lora = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_name="a")["output_ids"]
     return (engine.get_weight_version(), engine.get_weights_by_name(PROBE, 16),
-            engine.list_lora_adapters(), base, lora, engine.prepared.pending)
+            engine.list_lora_adapters(), base, lora, engine.weights.open_update is not None)
 
 
 def _post(url: str, route: str, body: dict) -> httpx.Response:

@@ -61,7 +61,7 @@ def test_non_finite_is_refused_before_any_write(paths, tmp_path, path, value):
             save_file(bad, os.path.join(folder, "model.safetensors"))
             with pytest.raises(ValueError, match="non-finite"):
                 eng.prepare_weights_from_disk(folder)
-            assert not eng.prepared.pending
-        assert eng.weights.stage is None  # no stage was opened, generation is not held
+            assert eng.weights.open_update is None
+        assert not eng.scheduler.paused  # no update was left open, generation is not held
         assert eng.get_weight_version() == "0"
         assert _outputs(eng) == before

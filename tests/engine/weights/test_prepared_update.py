@@ -39,11 +39,11 @@ def test_prepare_commit_and_abort(paths):
         # Prepared is not committed: the old weights and version keep serving.
         assert eng.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == want_a
         assert eng.get_weight_version() == "0"
-        assert eng.abort_weights_update()["success"]
-        with pytest.raises(ValueError, match="no prepared weight update"):
-            eng.commit_weights_update()
+        assert eng.abort_weight_update()["success"]
+        with pytest.raises(ValueError, match="no weight update is open"):
+            eng.commit_weight_update()
         eng.prepare_weights_from_disk(paths["b"])
-        out = eng.commit_weights_update(weight_version="step-1")
+        out = eng.commit_weight_update(weight_version="step-1")
         assert out["success"] and eng.get_weight_version() == "step-1"
         got = eng.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert got["output_ids"] == want_b and got["meta_info"]["weight_version"] == "step-1"
@@ -64,7 +64,7 @@ def test_sender_commits_on_all_engines_or_none(paths):
                 sender.send(new, [one, odd], weight_version="v1")
             assert list(info.value.failures) == [f"target 1 ({odd!r})"]
             assert one.get_weight_version() == "1" and odd.get_weight_version() == "0"
-            assert not one.prepared.pending and not odd.prepared.pending
+            assert one.weights.open_update is None and odd.weights.open_update is None
             assert odd.get_weights_by_name("model.layers.0.mlp.down_proj.weight") == before
             want = one.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
             assert want == two.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]

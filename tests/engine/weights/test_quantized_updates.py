@@ -92,7 +92,7 @@ def update(engine: Engine, path: str, how: str) -> None:
         assert engine.commit_weight_update("b")["success"]
     elif how == "two-phase-disk":
         engine.prepare_weights_from_disk(path)
-        assert engine.commit_weights_update("b")["success"]
+        assert engine.commit_weight_update("b")["success"]
     else:
         raise ValueError(how)
 
@@ -163,7 +163,7 @@ def test_aborted_two_phase_update_leaves_old_int8_serving(paths):
     with int8_engine(paths["a"]) as engine:
         before, copies = outputs(engine), snapshot(engine)
         engine.prepare_weights_from_disk(paths["b"])
-        engine.abort_weights_update()
+        engine.abort_weight_update()
         assert engine.get_weight_version() == "0"
         assert same(snapshot(engine), copies)
         assert outputs(engine) == before

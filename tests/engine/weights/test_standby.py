@@ -81,7 +81,7 @@ def test_two_phase_refuses_non_finite_at_prepare(paths):
         with pytest.raises(WeightSyncError, match="no target committed"):
             _send([one, two], _poisoned(_tensors(paths["b"]), float("nan")))
         for eng in (one, two):
-            assert eng.get_weight_version() == "0" and not eng.prepared.pending
+            assert eng.get_weight_version() == "0" and eng.weights.open_update is None
             assert _outputs(eng) == before
             assert eng.weights.standby.acquire()  # given back
             eng.weights.standby.release()

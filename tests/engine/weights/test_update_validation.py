@@ -65,5 +65,5 @@ def test_every_path_refuses_with_the_same_message(model_path):
                     sender.close(targets)
         for eng in (one, two):
             assert eng.get_weight_version() == "0"
-            assert eng.weights.stage is None and not eng.prepared.pending
+            assert eng.weights.open_update is None
         assert one.get_weights_by_name(PROBE, 8) == before

@@ -1,5 +1,6 @@
-"""Staged weight updates (engine/weights/staging.py), the host weight copy across release, and the
-version relabel, on a tiny random Llama in this process.
+"""Updates sent in pieces (commit=False) of one transaction (engine/weights/transaction.py),
+the host weight copy across release, and the version relabel, on a tiny random Llama in this
+process.
 
 The reference for a staged update is a second engine, loaded from the same checkpoint, that
 received the same tensors in one committed call.
@@ -132,8 +133,9 @@ def test_an_aborted_stage_refuses_generation_until_a_complete_update(model_path)
 
 def test_aborting_a_stage_that_wrote_nothing_changes_nothing(model_path):
     with engine(model_path) as e:
-        assert e.abort_weight_update()["message"] == "no staged weight update to abort"
-        assert e.commit_weight_update()["message"] == "no staged weight update to commit"
+        assert e.abort_weight_update()["message"] == "no weight update is open: nothing to abort"
+        with pytest.raises(ValueError, match="no weight update is open"):
+            e.commit_weight_update()
         assert e.generate(None, GREEDY, PROMPTS[0])["meta_info"]["weight_version"] == "0"
 
 

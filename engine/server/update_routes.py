@@ -1,4 +1,6 @@
-"""Control routes of two-phase weight updates: prepare (receive + validate), commit, abort.
+"""Control routes of the weight-update transaction that are hotswap's own: prepare (receive and
+validate beside the serving weights), and commit or abort of whichever update is open (prepared,
+or pieces sent with commit=False to SGLang's update routes).
 
 A coordinator of several servers (a WeightSender with several RemoteEngine targets, the Router)
 prepares every server first and commits only when all prepared, so none ends on another version.
@@ -15,7 +17,7 @@ from hotswap.engine.server.control_api import _update
 from hotswap.engine.server.protocol import Body, Int, PauseMode
 from hotswap.engine.server.serving import State, blocking
 
-prepared_routes = APIRouter()
+update_routes = APIRouter()
 
 
 class PrepareFromDistributedRequest(Body):
@@ -32,28 +34,27 @@ class PrepareFromDiskRequest(Body):
 
 class CommitRequest(Body):
     weight_version: str | None = None
-    pause_mode: PauseMode = "retract"
+    pause_mode: PauseMode | None = None  # a prepared update's (None: "retract")
 
 
-@prepared_routes.post("/prepare_weights_from_distributed")
+@update_routes.post("/prepare_weights_from_distributed")
 async def prepare_weights_from_distributed(state: State,
                                            body: PrepareFromDistributedRequest) -> Response:
     return await blocking(state.engine.prepare_weights_from_distributed, **body.model_dump())
 
 
-@prepared_routes.post("/prepare_weights_from_disk")
+@update_routes.post("/prepare_weights_from_disk")
 async def prepare_weights_from_disk(state: State, body: PrepareFromDiskRequest) -> Response:
     return await blocking(state.engine.prepare_weights_from_disk, body.model_path)
 
 
-@prepared_routes.post("/commit_weights_update")
-async def commit_weights_update(state: State, body: CommitRequest | None = None) -> Response:
+@update_routes.post("/commit_weight_update")
+async def commit_weight_update(state: State, body: CommitRequest | None = None) -> Response:
     body = body or CommitRequest()
-    return await _update(state, "prepared", state.engine.commit_weights_update,
+    return await _update(state, "commit", state.engine.commit_weight_update,
                          **body.model_dump())
 
 
-@prepared_routes.post("/abort_weights_update")
-async def abort_weights_update(state: State) -> Response:
-    return await blocking(state.engine.abort_weights_update)
-
+@update_routes.post("/abort_weight_update")
+async def abort_weight_update(state: State) -> Response:
+    return await blocking(state.engine.abort_weight_update)
