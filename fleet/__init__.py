@@ -24,10 +24,14 @@ def __getattr__(name: str) -> Any:
         from hotswap.fleet.router_app import create_router_app
 
         return create_router_app
-    if name in ("RayFleet", "ReplicaGone"):
-        from hotswap.fleet import ray_fleet
+    if name == "RayFleet":
+        from hotswap.fleet.ray_fleet import RayFleet
 
-        return getattr(ray_fleet, name)
+        return RayFleet
+    if name == "ReplicaGone":
+        from hotswap.fleet.dispatch import ReplicaGone
+
+        return ReplicaGone
     if name == "EngineReplica":
         from hotswap.fleet.replica import EngineReplica
 

@@ -27,8 +27,8 @@ from hotswap.weight_sync.bucket import dtype_to_str, str_to_dtype
 # (name, dtype, shape, bytes): what goes through Ray's object store
 Packed = list[tuple[str, str, tuple[int, ...], np.ndarray]]
 
-# Calls the fleet forwards by name: the engine interface, minus generation and what the
-# replica implements itself, plus the load it reports to the fleet.
+# Calls the fleet forwards by name (ReplicaClient spells out one method for each): the engine
+# interface, minus generation and what the replica implements itself, plus its load.
 FORWARDED = (interface_methods() - {"generate", "async_generate", "shutdown",
                                     "weight_sync_ranks"}) | {"get_load"}
 
@@ -85,8 +85,8 @@ class EngineReplica:
 
     def prepare_tensors(self, packed: Packed) -> dict:
         """Phase one of a two-phase update from tensors in the object store (pack_tensors):
-        validated and checked while serving goes on; commit_weights_update applies them."""
-        return self.engine.prepared.from_tensors(unpack_tensors(packed))
+        validated and checked while serving goes on; commit_weight_update applies them."""
+        return self.engine.prepare_weights_from_tensor(unpack_tensors(packed))
 
     def update_tensors(self, packed: Packed, *args: Any, **kwargs: Any) -> dict:
         """update_weights_from_tensor with tensors from the object store (pack_tensors)."""

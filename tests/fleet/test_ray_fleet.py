@@ -3,6 +3,7 @@ mid-generation, and scaling. (The interface itself is checked by the conformance
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -14,6 +15,9 @@ from fixtures import wait_until, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine
+from hotswap.engine.client.protocol import EngineClient
+from hotswap.fleet.replica import FORWARDED
+from hotswap.fleet.replica_client import ReplicaClient
 from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.group import WeightSyncError, free_port
 
@@ -57,6 +61,22 @@ def tokens(outs):
 
 def a_tensors(models):
     return load_file(os.path.join(models["a"], "model.safetensors"))
+
+
+def test_the_replica_client_spells_out_exactly_the_forwarded_calls():
+    """One method per call a replica forwards (FORWARDED follows EngineClient), each with the
+    interface's signature (Engine's for get_load), so the client cannot drift from it."""
+    own = {"get", "prepare_tensors", "update_tensors"}  # the actor's own calls
+    methods = {n for n in vars(ReplicaClient) if not n.startswith("_")
+               and callable(getattr(ReplicaClient, n))}
+    assert methods - own == FORWARDED
+
+    def shape(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for name in FORWARDED:
+        want = getattr(EngineClient, name, None) or getattr(Engine, name)
+        assert shape(getattr(ReplicaClient, name)) == shape(want), name
 
 
 def test_two_replicas_give_one_engines_outputs_and_keep_groups_together(fleet, models):
