@@ -262,6 +262,21 @@ def measure_stall(engine: Engine, trainer: RpcClient, mode: str, requests: int
     return [f.stall() for f in followers], out["seconds"]
 
 
+def print_stalls(stalls: dict[str, tuple[list[float], float]], requests: int) -> None:
+    """The stall table; none with --stall-requests 0."""
+    if not stalls:
+        return
+    print(f"\nstall of {requests} streaming requests per pause mode "
+          "(flattened_bucket, staging standby; last old-version token -> first new-version "
+          "token)")
+    print(f"{'pause_mode':<12}{'update s':>10}{'stall median':>14}{'stall max':>11}"
+          f"{'stall/update':>14}")
+    for mode, (values, update_s) in stalls.items():
+        med = statistics.median(values)
+        print(f"{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
+              f"{med / update_s:>14.2f}")
+
+
 def print_stages(rows: list[tuple[str, list[Update], list[float]]]) -> None:
     stages: list[str] = []
     for _, updates, _ in rows:
@@ -315,7 +330,7 @@ def main() -> None:
     rows = [(f"{s}, {f}", *m) for (s, f), m in measured.items()]
     raw.close()
     stalls = {mode: measure_stall(engine, trainer, mode, args.stall_requests)
-              for mode in PAUSE_MODES}
+              for mode in PAUSE_MODES if args.stall_requests > 0}
     repack_s = engine.scheduler.runner.last_pack_s
     quant_mb = engine.scheduler.runner.quant_bytes / 1e6
     trainer.call("close")
@@ -343,18 +358,11 @@ def main() -> None:
               f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>12}{updates[0].rss_mb:>16.0f}{later:>7.0f}"
               f"{kept:>10.0f}")
     print_stages(rows)
-    print(f"\nstall of {args.stall_requests} streaming requests per pause mode "
-          "(flattened_bucket, staging standby; last old-version token -> first new-version "
-          "token)")
-    print(f"{'pause_mode':<12}{'update s':>10}{'stall median':>14}{'stall max':>11}"
-          f"{'stall/update':>14}")
-    for mode, (values, update_s) in stalls.items():
-        med = statistics.median(values)
-        print(f"{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
-              f"{med / update_s:>14.2f}")
+    print_stalls(stalls, args.stall_requests)
     if args.quantization is None:
-        print(f"\nthe first forward after an update rebuilds the packed weight copies (CPU "
-              f"fp32): {repack_s:.3f} s, inside the stalls above, not in e2e")
+        if stalls:  # timed at the stall runs' first forward
+            print(f"\nthe first forward after an update rebuilds the packed weight copies (CPU "
+                  f"fp32): {repack_s:.3f} s, inside the stalls above, not in e2e")
         return
     print(f"\nquantization ({args.quantization} copies: {quant_mb:.0f} MB beside the float "
           "weights), inside each update's transaction, in e2e:")

@@ -14,6 +14,18 @@ if not torch.cuda.is_available():
     # first imported, and other test modules import it early (peft does), so set it here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `gpu` marker (pyproject.toml) means "needs CUDA": without it those tests skip here,
+    so no test repeats the check."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs CUDA (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 # Ray (tests/fleet): 127.0.0.1 only, no usage reports, no dashboard.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -7,6 +7,7 @@ Imports under `if TYPE_CHECKING:` are annotations only and are not counted; func
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ _BASE = (f"{E}.config", f"{E}.errors", f"{E}.core", f"{E}.client.protocol")
 # Area (longest matching prefix wins) -> the hotswap modules it may import (prefixes).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "hotswap.weight_sync": ("hotswap.weight_sync",),
-    f"{E}.core": _BASE,
+    f"{E}.core": (f"{E}.core", f"{E}.client.protocol"),
     f"{E}.kvcache": (*_BASE, f"{E}.kvcache"),
     **{area: (*_BASE, f"{E}.kvcache", *_EXECUTOR_SIDE, "hotswap.weight_sync")
        for area in _EXECUTOR_SIDE},
@@ -108,6 +109,107 @@ def all_modules() -> list[tuple[Path, str]]:
 def test_every_import_points_the_allowed_way():
     bad = [v for path, mod in all_modules() for v in violations(path.read_text(), mod)]
     assert not bad, "imports against the allowed direction:\n" + "\n".join(bad)
+
+
+# examples/ and bench/ use public names only (docs/design.md#import-direction): a name a package
+# exports in `__all__` (from the package or the module defining it), or any name of a module the
+# docs give users.
+PUBLIC_PACKAGES = (E, "hotswap.weight_sync", "hotswap.rollout", "hotswap.fleet")
+PUBLIC_MODULES = (f"{E}.config", f"{E}.errors", f"{E}.models.fetch", "hotswap.rollout.grpo",
+                  "hotswap.trainers_adapters")
+_WS = "hotswap.weight_sync"
+# What a benchmark times from inside, by script: the list in docs/design.md, exactly.
+BENCH_INTERNALS: dict[str, tuple[str, ...]] = {
+    "bench/bench_sampling.py": (f"{E}.core.sampling_params", f"{E}.executor.sampling",
+                                f"{E}.executor.sampling_batch_info"),
+    "bench/throughput.py": (f"{E}.layers",),
+    "bench/colocation.py": (f"{E}.executor.omp", f"{E}.scheduler.scheduler"),
+    "bench/grpo_step.py": ("hotswap.rollout.trainer",),
+    "bench/finite_check.py": (f"{E}.models.loader",),
+    "bench/weight_sync.py": (f"{_WS}.group.free_port", f"{_WS}.rpc",
+                             f"{_WS}.sender.hf_module_order"),
+    "bench/gpu_check.py": (f"{_WS}.group.free_port", f"{_WS}.rpc"),
+    "bench/fleet.py": (f"{_WS}.group.free_port",),
+    "bench/tensor_parallel.py": (f"{_WS}.group.free_port",),
+}
+
+
+def script_imports(source: str) -> list[str]:
+    """What a script takes from hotswap, anywhere in it: `module.Name`, or `module`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("hotswap.")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hotswap."):
+            out += [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def exported(package: str) -> set[str]:
+    """A package's `__all__`."""
+    tree = ast.parse((ROOT.joinpath(*package.split(".")[1:]) / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def is_public(target: str) -> bool:
+    module, _, name = target.rpartition(".")
+    if target in PUBLIC_PACKAGES or name.startswith("_"):
+        return target in PUBLIC_PACKAGES
+    if any(target.startswith(m + ".") for m in PUBLIC_MODULES):
+        return True
+    return any(module == p or module.startswith(p + ".") for p in PUBLIC_PACKAGES
+               if name in exported(p))
+
+
+def _short(module: str) -> str:
+    """How docs/design.md names a module in its list: without hotswap.engine., else hotswap."""
+    return module.removeprefix(f"{E}.") if module.startswith(f"{E}.") else \
+        module.removeprefix("hotswap.")
+
+
+def documented_bench_internals() -> dict[str, tuple[str, ...]]:
+    """docs/design.md's list: `- what: `bench/a.py` [and `bench/b.py`] imports `x`, `y``."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Import direction", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, tuple[str, ...]] = {}
+    for item in re.split(r"\n- ", section)[1:]:
+        names = re.findall(r"`([^`]+)`", item.split("\n\n", 1)[0])
+        scripts = [n for n in names if n.startswith("bench/")]
+        out.update(dict.fromkeys(scripts, tuple(n for n in names if n not in scripts)))
+    return out
+
+
+def test_examples_and_bench_use_public_names_or_the_documented_internals():
+    bad, used = [], set()
+    for path in sorted([*(ROOT / "examples").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        script = path.relative_to(ROOT).as_posix()
+        for target in script_imports(path.read_text()):
+            hits = [m for m in BENCH_INTERNALS.get(script, ())
+                    if target == m or target.startswith(m + ".")]
+            used.update((script, m) for m in hits)
+            if not hits and not is_public(target):
+                bad.append(f"{script} imports {target}")
+    assert not bad, "internal names outside docs/design.md's list:\n" + "\n".join(bad)
+    unused = [f"{s}: {m}" for s, ms in BENCH_INTERNALS.items() for m in ms if (s, m) not in used]
+    assert not unused, "listed but no longer imported (drop them here and in docs/design.md):\n" \
+        + "\n".join(unused)
+    listed = {s: tuple(_short(m) for m in ms) for s, ms in BENCH_INTERNALS.items()}
+    assert documented_bench_internals() == listed
+
+
+def test_public_name_check():
+    assert is_public(f"{E}.Engine") and is_public("hotswap.weight_sync.WeightSender")
+    assert is_public("hotswap.weight_sync.group.init_process_group")  # exported by the package
+    assert is_public("hotswap.trainers_adapters.sglang")
+    assert is_public(f"{E}.models.fetch.ensure_model")
+    assert not is_public(f"{E}.Scheduler") and not is_public("hotswap.weight_sync.group.free_port")
+    assert not is_public(f"{E}.scheduler.scheduler") and not is_public(f"{E}.config._private")
+    assert script_imports("def f():\n    import hotswap.engine.scheduler.scheduler as s\n") == \
+        [f"{E}.scheduler.scheduler"]
 
 
 def _ray_imports(tree: ast.AST) -> list[ast.AST]:

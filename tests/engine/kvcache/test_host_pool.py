@@ -8,8 +8,7 @@ import torch
 from hotswap.engine.kvcache.host_pool import HostKVPool
 from hotswap.engine.kvcache.memory import KVPool
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
