@@ -2,6 +2,8 @@
 
 python bench/weight_sync.py [--repeats 5] [--bucket-mb 32] [--stall-requests 4]
                             [--staging standby none] [--quantization int8]
+python bench/weight_sync.py --delta [--dtypes bfloat16 float32] [--lrs 1e-6 1e-5]
+                            (delta vs full pushes: bench/delta_sync.py)
 
 This process runs the engine (reached through hotswap.weight_sync.rpc); a spawned trainer
 process holds perturbed weights and sends them with WeightSender over gloo on localhost.
@@ -305,8 +307,19 @@ def main() -> None:
                         help="the staging modes to compare, each update's `staging` argument")
     parser.add_argument("--quantization", choices=["int8"], default=None,
                         help="an int8 engine: every update re-quantizes the weights")
+    parser.add_argument("--delta", action="store_true",
+                        help="delta vs full pushes after real AdamW steps (bench/delta_sync.py)")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                        help="with --delta: the engines' dtypes")
+    parser.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5],
+                        help="with --delta: the learning rates")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
+    if args.delta:
+        from delta_sync import run  # bench/, beside this script
+
+        run(path, args.dtypes, args.lrs, args.repeats)
+        return
     bucket_bytes = args.bucket_mb << 20
     proc, conn, trainer = spawn_trainer()
     shapes = trainer.call("load", model_path=path, seed=1, scale=0.02)

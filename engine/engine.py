@@ -32,6 +32,7 @@ from hotswap.engine.request_builder import RequestBuilder
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.scheduler import Scheduler
 from hotswap.engine.weights.weight_manager import WeightManager
+from hotswap.weight_sync.delta import Delta
 from hotswap.weight_sync.serialize import deserialize_named_tensors
 
 
@@ -254,8 +255,9 @@ class Engine(EngineClient):
                                    commit: bool | None = None) -> dict:
         """Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped. With
         commit=False the update holds generation and keeps the version until
-        commit_weight_update() (or a later call that commits) makes it one version."""
-        _check_direct_format(load_format)
+        commit_weight_update() (or a later call that commits) makes it one version. With
+        load_format="delta", named_tensors is a hotswap.weight_sync.Delta (a DeltaTracker's)."""
+        _check_direct_format(load_format, named_tensors)
         return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode,
                                                resolve_commit(commit, flush_cache))
 
@@ -295,6 +297,11 @@ class Engine(EngineClient):
                                   backend: str = "auto") -> dict:
         return self.weights.init_group(master_address, master_port, rank_offset, world_size,
                                        group_name, backend)
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the weights are kept in: what a delta update carries (DeltaTracker)."""
+        return self.config.dtype
 
     @property
     def weight_sync_ranks(self) -> int:
@@ -350,7 +357,8 @@ class Engine(EngineClient):
         return self.weights.prepare_from_disk(model_path)
 
     def prepare_weights_from_tensor(self, named_tensors: Any) -> dict:
-        """(HF name, tensor) pairs in hand (a Ray fleet's object store): kept by reference."""
+        """(HF name, tensor) pairs in hand (a Ray fleet's object store), kept by reference, or
+        a Delta (hotswap.weight_sync)."""
         return self.weights.prepare_from_tensor(named_tensors)
 
     def commit_weight_update(self, weight_version: str | None = None,
@@ -415,7 +423,12 @@ def _check_adapter_update(weight_version: str | None, commit: bool | None, flush
                          "the adapter is replaced at once, under its own version")
 
 
-def _check_direct_format(load_format: str | None) -> None:
+def _check_direct_format(load_format: str | None, named_tensors: Any = None) -> None:
+    if (load_format == "delta") != isinstance(named_tensors, Delta):
+        raise ValueError('load_format="delta" goes with a Delta (hotswap.weight_sync), and a '
+                         "Delta with it")
+    if load_format == "delta":
+        return
     # SGLang's other formats carry handles or buckets that its adapter unpacks first.
     if load_format not in (None, "direct"):
         raise ValueError(f"load_format {load_format!r}: the Engine takes named tensors "

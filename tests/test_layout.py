@@ -128,6 +128,7 @@ BENCH_INTERNALS: dict[str, tuple[str, ...]] = {
     "bench/finite_check.py": (f"{E}.models.loader",),
     "bench/weight_sync.py": (f"{_WS}.group.free_port", f"{_WS}.rpc",
                              f"{_WS}.sender.hf_module_order"),
+    "bench/delta_sync.py": (f"{_WS}.group.free_port", f"{_WS}.rpc"),
     "bench/gpu_check.py": (f"{_WS}.group.free_port", f"{_WS}.rpc"),
     "bench/fleet.py": (f"{_WS}.group.free_port",),
     "bench/tensor_parallel.py": (f"{_WS}.group.free_port",),

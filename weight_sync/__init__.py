@@ -11,6 +11,7 @@ from hotswap.weight_sync.bucket import (
     str_to_dtype,
     unflatten,
 )
+from hotswap.weight_sync.delta import Delta, DeltaTracker, receive_delta, update_in_process
 from hotswap.weight_sync.group import (
     DEFAULT_TIMEOUT_S,
     WeightGroup,
@@ -32,6 +33,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "LOAD_FORMATS",
     "Bucket",
+    "Delta",
+    "DeltaTracker",
     "TensorSpec",
     "WeightGroup",
     "WeightSender",
@@ -45,8 +48,10 @@ __all__ = [
     "init_process_group",
     "make_specs",
     "plan_buckets",
+    "receive_delta",
     "receive_tensors",
     "resolve_backend",
     "str_to_dtype",
     "unflatten",
+    "update_in_process",
 ]

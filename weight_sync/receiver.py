@@ -5,6 +5,7 @@ The wire protocol, sender rank 0 to every other rank:
 - load_format "flattened_bucket": an int64 header of len(names) entries (the tensor count of each
   bucket, zero-padded), then one broadcast per flat bucket. The header spares the two sides any
   agreement on bucket_bytes.
+- load_format "delta": the changes against a base version (delta.py; receive_delta).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from hotswap.weight_sync.bucket import (
     make_specs,
     unflatten,
 )
+from hotswap.weight_sync.delta import discard_delta
 from hotswap.weight_sync.group import WeightGroup, WeightSyncError, get_group
 
-LOAD_FORMATS = (None, "flattened_bucket")
+LOAD_FORMATS = (None, "flattened_bucket", "delta")
 log = logging.getLogger(__name__)
 
 Received = Iterator[tuple[str, torch.Tensor]]
@@ -57,6 +59,8 @@ def receive_tensors(
     if isinstance(group, str):
         group = get_group(group)
     check_load_format(load_format)
+    if load_format == "delta":
+        raise ValueError("a delta update is received with receive_delta (weight_sync/delta.py)")
     specs = make_specs(names, dtypes, shapes)
     dests = _check_into(into or {}, specs)
     out = torch.device(device) if device is not None else group.device
@@ -74,6 +78,11 @@ def discard_tensors(
 ) -> None:
     """Takes part in an update and drops it. An engine that rejects an update calls this, so the
     sender finishes at once (instead of timing out) and the group stays in step."""
+    if load_format == "delta":
+        if isinstance(group, str):
+            group = get_group(group)
+        discard_delta(group, names, dtypes, shapes)
+        return
     for _ in receive_tensors(group, names, dtypes, shapes, load_format):
         pass
 

@@ -14,11 +14,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hotswap.weight_sync.bucket import Bucket, bucket_header, dtype_to_str, plan_buckets
+from hotswap.weight_sync.bucket import (
+    Bucket,
+    TensorSpec,
+    bucket_header,
+    dtype_to_str,
+    plan_buckets,
+    str_to_dtype,
+)
+from hotswap.weight_sync.delta import DeltaTracker, delta_stats, full_stats
 from hotswap.weight_sync.group import (
     DEFAULT_TIMEOUT_S,
     WeightGroup,
@@ -90,6 +99,8 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.group: WeightGroup | None = None
         self._members: tuple | None = None  # the targets' membership the group was made with
+        self.delta: DeltaTracker | None = None  # what the targets hold (send(delta=True))
+        self.last_push: dict[str, Any] = {}  # {"kind": "full" | "delta", "bytes", ...}
 
     @property
     def connected(self) -> bool:
@@ -145,6 +156,7 @@ class WeightSender:
         pause_mode: str = "retract",
         lora_name: str | None = None,
         staging: str | None = None,
+        delta: bool = False,
     ) -> list[dict]:
         """Returns every target's reply once all applied the update; raises WeightSyncError
         naming each target that did not. Tensors travel in the trainer's dtypes.
@@ -155,15 +167,21 @@ class WeightSender:
         methods (Engine, RemoteEngine). With `lora_name` the tensors are that LoRA adapter's
         (PEFT names) and replace it on every target in one phase. `staging` goes to a single
         target's update_weights_from_distributed ("standby" | "none"; None: the target's
-        default); two phases always receive beside the live weights, so they refuse "none"."""
+        default); two phases always receive beside the live weights, so they refuse "none".
+
+        delta=True sends only what changed since the version the targets last committed
+        through this sender, in the targets' weights dtype (`DeltaTracker`: one copy of the
+        weights in that dtype is kept here); a first push, targets on another version, or a
+        delta any target refuses, is followed by a full push, by itself. `last_push` says what
+        went on the wire."""
         extra = {k: v for k, v in {"lora_name": lora_name, "staging": staging}.items()
                  if v is not None}
         two_phase = len(targets) > 1 and lora_name is None
         if lora_name is not None and (weight_version is not None or staging is not None
-                                      or flush_cache is not True):
-            raise ValueError("weight_version, staging, flush_cache=False: not for an adapter "
-                             "update (lora_name is set); the adapter is replaced at once, under "
-                             "its own version")
+                                      or flush_cache is not True or delta):
+            raise ValueError("weight_version, staging, flush_cache=False, delta: not for an "
+                             "adapter update (lora_name is set); the adapter is replaced at once, "
+                             "under its own version")
         if two_phase and staging not in (None, "standby"):
             raise ValueError(f"staging={staging!r} with {len(targets)} targets: two-phase "
                              "updates receive beside the live weights so that all or none "
@@ -176,21 +194,54 @@ class WeightSender:
         if two_phase:
             _check_two_phase(targets)
         self.connect(targets, tensors[0][1].device)
-        spec = dict(names=[n for n, _ in tensors],
-                    dtypes=[dtype_to_str(x.dtype) for _, x in tensors],
-                    shapes=[list(x.shape) for _, x in tensors], group_name=self.group_name,
-                    load_format=load_format)
-        if two_phase:
-            return self._send_two_phase(tensors, targets, spec, weight_version, pause_mode)
-        calls = [_Call(t.update_weights_from_distributed, **spec, weight_version=weight_version,
-                       flush_cache=flush_cache, pause_mode=pause_mode, **extra) for t in targets]
-        self._broadcast_to(calls, targets, tensors, load_format)
-        failures = _failures(calls, targets, self.timeout_s)
+        push = _Push(targets, weight_version, flush_cache, pause_mode, two_phase, extra)
+        if delta:
+            return self._send_delta(tensors, push, load_format)
+        replies = self._push(tensors, _spec(_specs(tensors), load_format, self.group_name),
+                             push)
+        self.last_push = {"kind": "full", "bytes": sum(t.nbytes for _, t in tensors)}
+        return replies
+
+    def _push(self, payload: Any, spec: dict[str, Any], push: _Push) -> list[dict]:
+        """One update on every target: the RPCs, and the payload on the wire."""
+        if push.two_phase:
+            return self._send_two_phase(payload, push.targets, spec, push.weight_version,
+                                        push.pause_mode)
+        calls = [_Call(t.update_weights_from_distributed, **spec,
+                       weight_version=push.weight_version, flush_cache=push.flush_cache,
+                       pause_mode=push.pause_mode, **push.extra) for t in push.targets]
+        self._broadcast_to(calls, push.targets, payload, spec["load_format"])
+        failures = _failures(calls, push.targets, self.timeout_s)
         if failures:
-            raise WeightSyncError(f"update {weight_version!r} failed on {failures}", failures)
+            raise WeightSyncError(f"update {push.weight_version!r} failed on {failures}",
+                                  failures)
         return [call.result for call in calls]
 
-    def _send_two_phase(self, tensors: list[tuple[str, torch.Tensor]], targets: list[Any],
+    def _send_delta(self, tensors: list[tuple[str, torch.Tensor]], push: _Push,
+                    load_format: str | None) -> list[dict]:
+        dtype = weights_dtype(push.targets)
+        if self.delta is None or self.delta.dtype != dtype:
+            self.delta = DeltaTracker(dtype)
+        tracker = self.delta
+        planned = tracker.plan(tensors, {str(t.get_weight_version()) for t in push.targets})
+        if planned is not None:
+            delta, rounded = planned
+            try:
+                replies = self._push(delta, _spec(delta.specs, "delta", self.group_name), push)
+            except WeightSyncError as err:
+                logger.warning("delta push refused (%s); pushing the full weights", err)
+            else:
+                tracker.committed(str(replies[0]["weight_version"]), rounded)
+                self.last_push = delta_stats(delta)
+                return replies
+        tracker.forget()
+        replies = self._push(tensors, _spec(_specs(tensors), load_format, self.group_name),
+                             push)
+        tracker.after_full(str(replies[0]["weight_version"]), tensors)
+        self.last_push = full_stats(tracker, tensors)
+        return replies
+
+    def _send_two_phase(self, tensors: Any, targets: list[Any],
                         spec: dict[str, Any], weight_version: str | None,
                         pause_mode: str) -> list[dict]:
         calls = [_Call(t.prepare_weights_from_distributed, **spec) for t in targets]
@@ -214,8 +265,8 @@ class WeightSender:
                                   "every target had prepared it; the others committed", failures)
         return [call.result for call in commits]
 
-    def _broadcast_to(self, calls: list[_Call], targets: list[Any],
-                      tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
+    def _broadcast_to(self, calls: list[_Call], targets: list[Any], tensors: Any,
+                      load_format: str | None) -> None:
         assert self.group is not None
         try:
             self._broadcast(tensors, load_format)
@@ -244,9 +295,12 @@ class WeightSender:
                              f"{self.world_size - 1} ranks, got {len(targets)} target(s) "
                              f"holding {ranks}")
 
-    def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
+    def _broadcast(self, tensors: Any, load_format: str | None) -> None:
         assert self.group is not None
         device = self.group.device
+        if load_format == "delta":
+            tensors.broadcast(self.group)
+            return
         with torch.no_grad():
             if load_format is None:
                 for _, tensor in tensors:
@@ -280,6 +334,39 @@ class WeightSender:
         calls = [_Call(t.destroy_weights_update_group, group_name=self.group_name)
                  for t in targets]
         return _failures(calls, targets, self.timeout_s)
+
+
+@dataclass(frozen=True)
+class _Push:
+    """One send's targets and options, whatever goes on the wire."""
+
+    targets: list[Any]
+    weight_version: str | None
+    flush_cache: bool
+    pause_mode: str
+    two_phase: bool
+    extra: dict[str, Any]
+
+
+def _specs(tensors: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec(n, x.dtype, tuple(x.shape)) for n, x in tensors]
+
+
+def _spec(specs: list[TensorSpec], load_format: str | None, group_name: str) -> dict[str, Any]:
+    """The RPC's description of an update's tensors."""
+    return dict(names=[s.name for s in specs], dtypes=[dtype_to_str(s.dtype) for s in specs],
+                shapes=[list(s.shape) for s in specs], group_name=group_name,
+                load_format=load_format)
+
+
+def weights_dtype(targets: Sequence[Any]) -> torch.dtype:
+    """The dtype every target keeps its weights in (`weights_dtype` of Engine and
+    RemoteEngine): what a delta is computed and sent in."""
+    found = {getattr(t, "weights_dtype", None) for t in targets}
+    if None in found or len(found) != 1:
+        raise ValueError(f"delta=True needs targets that report one weights_dtype (Engine, "
+                         f"RemoteEngine); got {sorted(map(str, found))}")
+    return str_to_dtype(found.pop())
 
 
 def _flatten_into(pool: list[torch.Tensor | None], slot: int, bucket: Bucket,

@@ -171,6 +171,11 @@ class RemoteEngine(EngineClient):
                                   abort_all_requests=abort_all_requests)
 
     @property
+    def weights_dtype(self) -> str:
+        """The dtype the server keeps its weights in (a delta update carries it)."""
+        return str(self._call("GET", "/get_server_info")["dtype"])
+
+    @property
     def weight_sync_ranks(self) -> int:
         """Ranks the server takes in a trainer's weight-update group: its tensor-parallel size
         (every TP rank joins the group itself), or for a router every server's. Asked of the

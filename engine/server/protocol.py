@@ -195,7 +195,7 @@ class UpdateFromDistributedRequest(Body):
     weight_version: str | None = None
     flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
-    load_format: Literal["flattened_bucket"] | None = None
+    load_format: Literal["flattened_bucket", "delta"] | None = None
     # None: commit when flush_cache is true, as SGLang's trainers send flush_cache=False on every
     # bucket but the last; a staged update commits at flush_cache or continue_generation.
     commit: bool | None = None

@@ -25,7 +25,7 @@ class PrepareFromDistributedRequest(Body):
     dtypes: list[str]
     shapes: list[list[Int]]
     group_name: str = "weight_update_group"
-    load_format: Literal["flattened_bucket"] | None = None
+    load_format: Literal["flattened_bucket", "delta"] | None = None
 
 
 class PrepareFromDiskRequest(Body):

@@ -57,6 +57,7 @@ class Piece:
     source: str
     discard: Callable[[], None] = _nothing
     release: Callable[[], None] = _nothing
+    base_version: str | None = None  # a delta: the only version it may be applied to
 
 
 @dataclass
@@ -118,10 +119,14 @@ class Transactions:
         stages.lap("queue")
         txn = self.open
         if txn is not None and (storage == "standby" or not txn.holds_generation):
-            piece.discard()
-            piece.release()
-            raise ValueError(f"a weight update is open ({txn.describe()}); commit or abort it "
-                             "first")
+            self._refuse(piece, f"a weight update is open ({txn.describe()}); commit or abort "
+                         "it first")
+        if piece.base_version is not None and (txn is not None or self.incomplete is not None
+                                               or piece.base_version != self.serving.label):
+            self._refuse(piece, f"{piece.source} is a delta against version "
+                         f"{piece.base_version!r}; this engine serves {self.serving.label!r}"
+                         + ("" if txn is None and self.incomplete is None
+                            else " and its weights are not that version's"))
         if txn is None:
             txn = self._open(storage, pause_mode)
             stages.lap("pause")
@@ -151,6 +156,12 @@ class Transactions:
         return {"success": True, "weight_version": self.serving.label,
                 "message": f"staged ({txn.describe()}); serving version "
                            f"{self.serving.label!r} until the commit"}
+
+    @staticmethod
+    def _refuse(piece: Piece, why: str) -> None:
+        piece.discard()
+        piece.release()
+        raise ValueError(why)
 
     def _open(self, storage: str, pause_mode: str) -> WeightUpdate:
         txn = WeightUpdate(storage, pause_mode, was_paused=self.scheduler.paused)

@@ -35,6 +35,7 @@ from hotswap.engine.models.loader import (
 from hotswap.engine.weights.receive import (
     Landed,
     Stages,
+    non_finite_message,
     one_thread,
     receive_in_place,
     receive_to_standby,
@@ -43,6 +44,7 @@ from hotswap.engine.weights.standby import Standby
 from hotswap.engine.weights.transaction import Piece, Transactions, WeightUpdate
 from hotswap.weight_sync import group as ws_group
 from hotswap.weight_sync.bucket import str_to_dtype
+from hotswap.weight_sync.delta import Delta, check_delta, receive_delta
 from hotswap.weight_sync.receiver import check_load_format, discard_tensors
 
 if TYPE_CHECKING:
@@ -128,9 +130,12 @@ class WeightManager:
 
     # routes: SGLang's one-call updates (commit=False: pieces of one update)
 
-    def update_from_tensor(self, named_tensors: Named, weight_version: str | None,
+    def update_from_tensor(self, named_tensors: Named | Delta, weight_version: str | None,
                            pause_mode: str, commit: bool = True) -> dict:
         check_update_args(weight_version, pause_mode)
+        if isinstance(named_tensors, Delta):
+            return self._submit(self._delta_piece(named_tensors, "a delta", "in_place"),
+                                "in_place", weight_version, pause_mode, commit)
         items = self.tensor_items(named_tensors, "in_place")
         return self._submit(self._piece([n for n, _ in items], lambda: self._write(items),
                                         f"{len(items)} tensor(s)"),
@@ -166,12 +171,15 @@ class WeightManager:
                                  "every rank receives beside its shards so that all or none "
                                  "commit; use 'standby' or None")
             self._check_open_allows("in_place")
+            if load_format == "delta":
+                self._check_delta_meta(names, dtypes)
 
         self.check_broadcast(group, names, dtypes, shapes, load_format, check_arguments)
         stages.lap("validate")
         try:
             piece = self._receive(group, names, dtypes, shapes, load_format,
                                   staging or self.runner.config.weight_staging, stages)
+            stages.lap("receive")
         except ws_group.WeightSyncError as err:
             return {"success": False, "weight_version": self.version,
                     "message": f"receiving the update failed, nothing was written: {err}"}
@@ -179,9 +187,12 @@ class WeightManager:
 
     # routes: two phases (a coordinator prepares every engine, then commits or aborts them all)
 
-    def prepare_from_tensor(self, named_tensors: Named) -> dict:
-        """(HF name, tensor) pairs, a subset of the weights, validated and checked now and kept
-        by reference until the commit (a coordinator with the tensors in hand: Ray's store)."""
+    def prepare_from_tensor(self, named_tensors: Named | Delta) -> dict:
+        """(HF name, tensor) pairs, a subset of the weights, or a Delta, validated and checked
+        now and kept by reference until the commit (a coordinator with the tensors in hand:
+        Ray's store)."""
+        if isinstance(named_tensors, Delta):
+            return self._prepare(self._delta_piece(named_tensors, "a delta", "standby"))
         items = self.tensor_items(named_tensors, "standby")
         return self._prepare(self._piece([n for n, _ in items], lambda: self._write(items),
                                          f"{len(items)} tensor(s)"))
@@ -201,8 +212,13 @@ class WeightManager:
         """Into the standby (or every tensor-parallel rank's), each tensor checked as it lands:
         the commit is a swap."""
         group = self.group(group_name)
-        self.check_broadcast(group, names, dtypes, shapes, load_format,
-                             lambda: self._check_open_allows("standby"))
+
+        def check_arguments() -> None:
+            self._check_open_allows("standby")
+            if load_format == "delta":
+                self._check_delta_meta(names, dtypes)
+
+        self.check_broadcast(group, names, dtypes, shapes, load_format, check_arguments)
         return self._prepare(self._receive(group, names, dtypes, shapes, load_format,
                                            "standby", Stages()))
 
@@ -243,11 +259,46 @@ class WeightManager:
             self.last_stages = stages.seconds
 
     def _piece(self, names: Iterable[str], install: Callable[[], None], source: str,
-               **ends: Callable[[], None]) -> Piece:
+               **ends: Any) -> Piece:
         # The names whose storage this writes (an alias: the names it covers, e.g. an MoE
         # model's stacked experts); ignored buffers are never written, so never damaged.
         covered = covered_names(self.runner.weight_map, (n for n in names if not is_ignored(n)))
         return Piece(sorted(covered), install, source, **ends)
+
+    def _delta_piece(self, delta: Delta, source: str, storage: str) -> Piece:
+        """A delta's piece; its base version is checked by the transaction (storage: checks
+        made here before it, or "" when _check_delta_meta ran before the broadcast)."""
+        specs = delta.specs
+        if storage:
+            self.validate_update([s.name for s in specs], [s.dtype for s in specs],
+                                 [s.shape for s in specs])
+            self._check_open_allows(storage)
+            self._check_delta_meta([s.name for s in specs], [s.dtype for s in specs])
+            check_delta(delta)
+        bad = delta.non_finite() if self.runner.config.check_weights_finite else []
+        if bad:
+            raise ValueError(non_finite_message(bad))
+        weight_map = self.runner.weight_map
+
+        def install() -> None:  # the views now: a standby swap may have moved the weights
+            delta.apply({s.name: weight_map[s.name].view for s in specs
+                         if not is_ignored(s.name)})
+
+        changed = f"{delta.changed_elements():,} element(s) changed, {delta.nbytes:,} bytes"
+        return self._piece([s.name for s in specs], install, f"{source} ({changed})",
+                           base_version=delta.base_version)
+
+    def _check_delta_meta(self, names: Sequence[str], dtypes: Sequence[Any]) -> None:
+        """A delta carries values in the weights' own dtype (rounded as a full push would
+        round them), and tensor-parallel ranks take full pushes only."""
+        if self.runner.tensor_parallel:
+            raise ValueError("delta updates are not available with tensor parallelism; push "
+                             "the full weights")
+        wrong = [n for n, d in zip(names, dtypes) if not is_ignored(n)
+                 and _dtype_or_none(d) != self.runner.weight_map[n].view.dtype]
+        if wrong:
+            raise ValueError(f"a delta must be in the weights' dtype "
+                             f"({self.runner.dtype}); {wrong[:3]} are not")
 
     def _check_open_allows(self, storage: str) -> None:
         """The early form of the transaction's own check: refused before the data moves."""
@@ -307,6 +358,9 @@ class WeightManager:
         """A validated broadcast as a piece: received now beside the weights (standby, or on
         every tensor-parallel rank), or received in place when the piece is installed."""
         source = f"{len(names)} tensor(s) from group {group.name!r}"
+        if load_format == "delta":  # small: received now, written in place at the commit
+            return self._delta_piece(receive_delta(group, names, dtypes, shapes),
+                                     f"a delta of {source}", "")
         if self.runner.tensor_parallel:  # every rank keeps its shards; a failure raises here
             self.runner.receive_update(group.name, (list(names), list(dtypes),
                                                     [list(s) for s in shapes], load_format),
