@@ -5,9 +5,11 @@ BIN := $(VENV)/bin
 # A CPU build of torch by default; GPU users install their CUDA torch into the venv first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup model demo test test-fast test-gpu gpu-check bench bench-weight-sync lint
+.PHONY: setup model demo test test-fast test-avx2 test-gpu gpu-check bench bench-weight-sync lint
 
+# The C++ kernels are built here, once per version and ISA, so that no Engine start builds them.
 setup: $(VENV)/.installed
+	$(BIN)/python -m hotswap.engine.layers.cpu_kernels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +29,14 @@ test: model
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+
+# The fast tests on the code paths of an AVX2-only CPU, on any x86 CPU (docs/cpu.md): hotswap's
+# checks and kernels, torch's and oneDNN's kernels all capped at AVX2.
+AVX2_ENV := HOTSWAP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	MKL_ENABLE_INSTRUCTIONS=AVX2
+test-avx2: setup
+	$(AVX2_ENV) $(BIN)/python -m hotswap.engine.layers.cpu_kernels
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -ra -m "not real_model and not slow"
 
 # On a CUDA machine with triton and flashinfer installed: the kernel checks skipped on CPU.
 test-gpu: setup

@@ -5,6 +5,7 @@ Every "auto" value is resolved once, in `EngineConfig.resolve`; nobody mutates c
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -19,6 +20,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZATIONS = (None, "int8")
 # CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What bf16 costs without them (bench/throughput.py, batch 64, under HOTSWAP_CPU_ISA=avx2).
+BF16_EMULATED_COST = "a batch of 64 decodes ~3.5x slower than in float32"
+# HOTSWAP_CPU_ISA caps the CPU features hotswap sees, to take another CPU's code paths here:
+# "avx2" an AVX2-only CPU, "avx512" AVX-512 without BF16, VNNI or AMX
+# (docs/cpu.md#taking-another-cpus-paths-hotswap_cpu_isa).
+CPU_ISA_ENV = "HOTSWAP_CPU_ISA"
+CPU_ISAS = ("native", "avx512", "avx2")
+_ABOVE_AVX2 = ("avx512", "amx", "avx_", "avx10")  # flag prefixes: AVX-512, AMX, AVX-VNNI, ...
+_AVX512_BASE = ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl")  # -march=skylake-avx512
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +237,7 @@ class EngineConfig:
         if dtype == "auto":
             dtype, why = auto_dtype(device, model.torch_dtype)
             logger.info("dtype='auto' -> %s: %s", dtype, why)
+        warn_emulated_bf16(device, dtype)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
         backend = resolve_attention_backend(self.attention_backend, device, dtype)
@@ -328,20 +339,51 @@ def auto_dtype(device: str, checkpoint_dtype: str, cpu_flags: set[str] | None = 
                        "the checkpoint is float16, which has no fast CPU path")
 
 
+def warn_emulated_bf16(device: str, dtype: str, cpu_flags: set[str] | None = None) -> str | None:
+    """An explicit dtype="bfloat16" on a CPU without native bf16 runs (bf16 widened to float32
+    inside every matmul), at a cost the log states; returns that warning, or None."""
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
+    if device != "cpu" or dtype != "bfloat16" or any(f in flags for f in CPU_BF16_FLAGS):
+        return None
+    why = (f"dtype='bfloat16' on a CPU without {' or '.join(CPU_BF16_FLAGS)}: bf16 matmuls are "
+           f"emulated, {BF16_EMULATED_COST}; dtype='float32' (or 'auto') is faster here")
+    logger.warning(why)
+    return why
+
+
+def cpu_isa() -> str:
+    """HOTSWAP_CPU_ISA: "native" (unset), "avx512" or "avx2"."""
+    isa = os.environ.get(CPU_ISA_ENV, "").strip().lower() or "native"
+    if isa not in CPU_ISAS:
+        raise ValueError(f"{CPU_ISA_ENV}={isa!r}: expected one of {', '.join(CPU_ISAS)}")
+    return isa
+
+
 def read_cpu_flags() -> set[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty where it does not exist)."""
+    """The CPU feature flags from /proc/cpuinfo (empty where it does not exist), less those
+    above HOTSWAP_CPU_ISA. Every CPU feature check of hotswap's reads them here."""
+    isa = cpu_isa()
+    if isa == "native":
+        return set(_proc_cpu_flags())
+    keep = _AVX512_BASE if isa == "avx512" else ()
+    return {f for f in _proc_cpu_flags() if not f.startswith(_ABOVE_AVX2) or f in keep}
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 # Backends whose kernels exist only for some KV dtypes (flashinfer has no float32 kernels).
 BACKEND_DTYPES = {"flashinfer": ("float16", "bfloat16")}
+# The attention backends' names, listed once: engine/attention/__init__.py maps each to its class.
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 
 

@@ -8,10 +8,13 @@ as torch.ops.hotswap.*.
 
 Without them a decode layer is ~25 torch ops whose dispatch and extra passes cost more than its
 matmuls at batch 1, and decode attention gathers every row's keys into a padded copy first. The
-kernels are compiled once per machine on first use (a C++ compiler and ninja, a minute or two)
-into torch's extension cache, under a name that carries the CPU's flags, since they are built for
-the CPU they run on. Where they cannot be built, or with HOTSWAP_CPU_KERNELS=0, the torch-ops
-path runs instead (the same math, more ops) and the reason is logged once.
+kernels are compiled once (a C++ compiler and ninja, about a minute; `make setup` does it ahead,
+`python -m hotswap.engine.layers.cpu_kernels`) into torch's extension cache, under a name keyed
+by the sources' bytes, the compiler flags, torch's version and, for -march=native, the CPU: two
+checkouts of one version share a build, and no checkout or ISA evicts another's.
+HOTSWAP_CPU_ISA=avx2 or avx512 (config.cpu_isa) builds them for that ISA instead of the CPU's.
+Where they cannot be built, or with HOTSWAP_CPU_KERNELS=0, the torch-ops path runs instead (the
+same math, more ops) and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from hotswap.engine.config import cpu_isa, read_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -34,49 +40,138 @@ DTYPES = (torch.float32, torch.bfloat16)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 _loaded: bool | None = None  # None: not tried yet
 STALE_LOCK_S = 600
+# The code each HOTSWAP_CPU_ISA compiles to: the CPU's own, or a baseline any such CPU runs.
+MARCH = {"native": "-march=native", "avx512": "-march=skylake-avx512", "avx2": "-march=haswell"}
+# What torch's, oneDNN's and MKL's own kernels need to take the same ISA's paths
+# (docs/cpu.md#taking-another-cpus-paths-hotswap_cpu_isa).
+TORCH_ISA_ENV = {
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
-def _cpu_tag() -> str:
-    """A short digest of the CPU's model and flags: kernels built for one CPU never load on
-    another (-march=native)."""
+class Build(NamedTuple):
+    """Where the kernels for this ISA and these sources are built, and with what flags."""
+
+    name: str
+    directory: Path
+    cflags: list[str]
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+    @property
+    def ready(self) -> Path:  # written once the library has loaded: later starts skip ninja
+        return self.directory / "ready"
+
+
+def build_spec() -> Build:
+    """The build for HOTSWAP_CPU_ISA, named by a digest of everything the library depends on."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    isa = cpu_isa()
+    cflags = ["-O3", MARCH[isa], "-fopenmp"]
+    digest = hashlib.sha1(" ".join([*cflags, torch.__version__]).encode())
+    if isa == "native":  # -march=native: built for this CPU, never loaded on another
+        digest.update(_cpu_info().encode())
+    for path in _source_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    name = f"hotswap_cpu_kernels_{isa}_{digest.hexdigest()[:12]}"
+    return Build(name, Path(_get_build_directory(name, verbose=False)), cflags)
+
+
+def _cpu_info() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        info = "".join(line for line in lines if line.startswith(("flags", "model name")))
+        return "".join(line for line in lines if line.startswith(("flags", "model name")))
     except OSError:
-        info = os.uname().machine
-    return hashlib.sha1(info.encode()).hexdigest()[:10]
+        return os.uname().machine
+
+
+def _source_files() -> list[Path]:
+    sources = sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+    if not any(p.suffix == ".cpp" for p in sources):
+        raise FileNotFoundError(f"no kernel sources in {SOURCE_DIR}")
+    return sources
 
 
 def _build() -> bool:
     if os.environ.get("HOTSWAP_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (HOTSWAP_CPU_KERNELS=0): torch ops instead")
         return False
+    _check_torch_isa()
+    try:
+        build = build_spec()
+    except OSError as e:
+        logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
+        return False
+    if _load_built(build):
+        return True
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if missing:
         logger.warning("CPU kernels not built (no %s on PATH): torch ops instead, slower",
                        " or ".join(missing))
         return False
-    from torch.utils.cpp_extension import _get_build_directory, load
+    return _compile(build)
 
-    name = f"hotswap_cpu_kernels_{_cpu_tag()}"
-    start = time.perf_counter()
-    try:
-        _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        load(name, _sources(), is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # a compiler error, a missing header: fall back, say why
-        logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
+
+def _load_built(build: Build) -> bool:
+    """Load a finished build without asking ninja (and so without a compiler)."""
+    if not build.ready.exists():
         return False
-    logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
+    try:
+        torch.ops.load_library(str(build.library))
+    except OSError as e:  # removed or damaged since: build it again
+        logger.warning("CPU kernels in %s did not load (%s): rebuilding", build.directory, e)
+        build.ready.unlink(missing_ok=True)
+        return False
     return True
 
 
-def _sources() -> list[str]:
-    """The .cpp files to compile (their headers are found beside them)."""
-    sources = sorted(str(p) for p in SOURCE_DIR.glob("*.cpp"))
-    if not sources:
-        raise FileNotFoundError(f"no kernel sources in {SOURCE_DIR}")
-    return sources
+def _compile(build: Build) -> bool:
+    """Compile (ninja runs cores + 2 jobs at once unless MAX_JOBS says otherwise) and load."""
+    from torch.utils.cpp_extension import load
+
+    print(f"hotswap: building CPU kernels for {cpu_isa()} (once, ~1 min) in {build.directory}",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        _drop_stale_lock(build.directory / "lock")
+        load(build.name, _copy_sources(build.directory), is_python_module=False,
+             build_directory=str(build.directory), extra_cflags=build.cflags,
+             extra_ldflags=["-fopenmp"])
+    except Exception as e:  # a compiler error, a missing header: fall back, say why
+        logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
+        return False
+    build.ready.touch()
+    logger.info("CPU kernels built in %.1f s", time.perf_counter() - start)
+    return True
+
+
+def _copy_sources(directory: Path) -> list[str]:
+    """The sources copied into the build directory, which compiles them from there: ninja's
+    commands then name no checkout, so a second checkout's build finds the first one's objects
+    up to date. A file already there is left alone (the directory's name carries the bytes)."""
+    into = directory / "src"
+    into.mkdir(exist_ok=True)
+    for path in _source_files():
+        target = into / path.name
+        if not target.exists():
+            partial = target.with_suffix(f"{path.suffix}.{os.getpid()}")
+            shutil.copyfile(path, partial)
+            os.replace(partial, target)
+    return [str(into / p.name) for p in _source_files() if p.suffix == ".cpp"]
+
+
+def _check_torch_isa() -> None:
+    """Under HOTSWAP_CPU_ISA, say where torch's own kernels would still use the CPU's ISA."""
+    unset = {k: v for k, v in TORCH_ISA_ENV.get(cpu_isa(), {}).items() if os.environ.get(k) != v}
+    if unset:
+        logger.warning("HOTSWAP_CPU_ISA=%s without %s: torch's and oneDNN's own kernels still "
+                       "use this CPU's ISA", cpu_isa(),
+                       " ".join(f"{k}={v}" for k, v in unset.items()))
 
 
 def _drop_stale_lock(lock: Path) -> None:
@@ -129,12 +224,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 packed13: list[torch.Tensor], packed2: list[torch.Tensor], topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, small_rows: int, blocked13: torch.Tensor | None,
-                blocked2: torch.Tensor | None, quant: list[torch.Tensor]) -> torch.Tensor:
-    """layers/moe.py's grouped_experts in one call, the experts spread over the threads; `quant`
-    the experts' int8 copies (layers/moe.py's ExpertQuant.tensors()) or empty."""
+                topk_weights: torch.Tensor, small_rows: int, dense_path: int,
+                blocked13: torch.Tensor | None, blocked2: torch.Tensor | None,
+                quant: list[torch.Tensor]) -> torch.Tensor:
+    """layers/moe.py's grouped_experts in one call, the experts spread over the threads;
+    dense_path linear.py's ONEDNN or ATEN (then no packed weights), what linear() takes for an
+    expert's rows beyond small_rows; `quant` the experts' int8 copies (layers/moe.py's
+    ExpertQuant.tensors()) or empty."""
     return torch.ops.hotswap.moe_experts(x, w13, w2, packed13, packed2, topk_ids, topk_weights,
-                                         small_rows, blocked13, blocked2, quant)
+                                         small_rows, dense_path, blocked13, blocked2, quant)
 
 
 BLOCK = 32  # outputs per block of the blocked layout
@@ -202,7 +300,7 @@ def sample_rows(x: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, 
 
 def head_amx() -> bool:
     """Whether the bf16 lm_head can run as AMX matmuls (head_pack / head_logits)."""
-    return available() and torch.ops.hotswap.head_amx()
+    return available() and "amx_bf16" in read_cpu_flags() and torch.ops.hotswap.head_amx()
 
 
 def head_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -257,3 +355,18 @@ def decode_layers(x: torch.Tensor, stack: torch.ScriptObject, k_bufs: list[torch
     decode_attention does; cos, sin are the step's rotary tables as rotary_ takes them. The
     profiler sees the call as hotswap::decode_layers, each layer as hotswap::decode_layer."""
     return stack.forward(x, k_bufs, v_bufs, cos, sin, loc, req_to_token, req_idx, seq_lens, scale)
+
+
+def main() -> None:
+    """Build the kernels now (`make setup`), so that an Engine's first start does not."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.perf_counter()
+    if not available():
+        print("hotswap: CPU kernels not built (see above): the engine runs torch ops instead")
+        return
+    print(f"hotswap: CPU kernels for {cpu_isa()} ready in {build_spec().directory} "
+          f"({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
-"""Linear layers. On CPU in float32 (and in bfloat16 where the CPU has AVX512-BF16 or AMX) they
-run oneDNN's matmul instead of the default BLAS path, faster at the decode shapes with the same
-float32 accuracy as BLAS (docs/performance.md). Elsewhere: F.linear.
+"""Linear layers. On CPU in float32 (and in bfloat16 where the CPU has AVX-512; natively with
+AVX512-BF16 or AMX) they run oneDNN's matmul instead of the default BLAS path, faster at the
+decode shapes with the same float32 accuracy as BLAS (docs/performance.md). Elsewhere: F.linear.
 
 A weight can also be packed: a copy reordered once into oneDNN's blocked layout, which the
 matmul then reads without converting it on every call (it matters most in bf16). A pack is a
@@ -41,16 +41,19 @@ def _onednn_available() -> bool:
         return False
 
 
-def _onednn_bf16_fast() -> bool:
-    """oneDNN runs bf16 natively (AVX512-BF16 or AMX); without it, bf16 goes through F.linear."""
+def _onednn_bf16() -> bool:
+    """oneDNN runs bf16 matmuls: natively with AVX512-BF16 or AMX, emulated with AVX-512 (or
+    AVX-NE-CONVERT); without, bf16 goes through F.linear. torch asks the CPU itself, so the
+    flags ask too, for HOTSWAP_CPU_ISA's sake."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        torch_says = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+    return torch_says and bool({"avx512bw", "avx_ne_convert"} & read_cpu_flags())
 
 
 _ONEDNN = _onednn_available()
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and _onednn_bf16_fast() else (
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and _onednn_bf16() else (
     torch.float32,)
 
 

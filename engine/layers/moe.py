@@ -25,7 +25,15 @@ from hotswap.engine.config import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.cpu_kernels import BLOCK, block_pack
-from hotswap.engine.layers.linear import SMALL_ROWS, can_pack, linear, pack
+from hotswap.engine.layers.linear import (
+    ATEN,
+    ONEDNN,
+    SMALL_ROWS,
+    can_pack,
+    linear,
+    pack,
+    uses_onednn,
+)
 from hotswap.engine.layers.quant import (
     QuantWeight,
     can_vnni,
@@ -205,9 +213,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing:
         return moe_triton.fused_experts(x, w13, w2, *routing)
     if cpu_kernels.applies(x) and x.dtype == w13.dtype and not torch.is_grad_enabled():
         packs = packs or ExpertPacks([], [])
-        return cpu_kernels.moe_experts(x, w13, w2, packs.w13, packs.w2, routing.topk_ids,
-                                       routing.topk_weights, EXPERT_SMALL_ROWS, packs.blocked13,
-                                       packs.blocked2, quant.tensors() if quant else [])
+        # linear()'s path past the small rows: F.linear where oneDNN does not run x's dtype (bf16
+        # on a CPU without AVX-512), which also ignores any packs
+        dense = ONEDNN if uses_onednn(x) else ATEN
+        p13, p2 = (packs.w13, packs.w2) if dense == ONEDNN else ([], [])
+        return cpu_kernels.moe_experts(x, w13, w2, p13, p2, routing.topk_ids,
+                                       routing.topk_weights, EXPERT_SMALL_ROWS, dense,
+                                       packs.blocked13, packs.blocked2,
+                                       quant.tensors() if quant else [])
     return grouped_experts(x, w13, w2, routing, packs, quant)
 
 

@@ -14,12 +14,14 @@ SmolLM2-135M it cuts the logprob error of int8 rollouts by more than half (docs/
 
 The int32 matmul is torch._int_mm (oneDNN: VNNI or AMX kernels), with the weight stored [n, k]
 and passed transposed; the CPU kernels (csrc/quant.cpp) quantize x and rescale in one pass each.
+Without int8 dot products (INT8_FLAGS) oneDNN's int8 kernels saturate, so the sums are made
+exactly another way there (csrc's int8_sums, or int32 matmuls without the kernels).
 With AVX512-VNNI the copy is also kept in an int8 blocked layout, and steps of up to 32 rows
 (csrc's VNNI_ROWS: batch 1, a rollout's tail) take csrc's VNNI kernel on it, which streams the
 weight faster there; its int32 sums are exact too, so the bits do not depend on the path.
 Every output row depends on its own inputs only. Where the CPU has neither AVX512-VNNI, AVX-VNNI
-nor AMX-INT8 the same math runs (oneDNN's int8 kernels without VNNI) and the reason is logged:
-correct, not faster than the float path.
+nor AMX-INT8 the same math runs (those exact int32 sums) and the reason is logged: correct, not
+faster than the float path.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 # CPU flags with int8 dot-product instructions (oneDNN's fast int8 matmuls).
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 AVX512_VNNI = "avx512_vnni" in read_cpu_flags()  # csrc's VNNI kernel (vnni_sums)
+INT8_DOT = any(f in read_cpu_flags() for f in INT8_FLAGS)
 HADAMARD_MAX_BLOCK = 512
 
 
@@ -150,12 +153,20 @@ def int8_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = No
         return cpu_kernels.int8_linear(x, qw.weight, qw.scale, bias, residual,
                                        hadamard_block(k), qw.blocked, qw.comp)
     q, scale = quantize_rows(x)
-    out = torch._int_mm(q, qw.weight.t()).float() * (scale[:, None] * qw.scale)
+    out = int8_sums(q, qw.weight).float() * (scale[:, None] * qw.scale)
     if bias is not None:
         out += bias.float()
     if residual is not None:
         out += residual.float()
     return out.to(x.dtype)
+
+
+def int8_sums(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """q [m, k] @ weight [n, k].T in int32, exact: torch._int_mm where the CPU has int8 dot
+    products; without them oneDNN's int8 kernels saturate int16 pair sums, so int32 matmuls."""
+    if INT8_DOT:
+        return torch._int_mm(q, weight.t())
+    return q.int() @ weight.t().int()
 
 
 @functools.lru_cache(maxsize=1)

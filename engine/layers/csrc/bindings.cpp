@@ -26,7 +26,7 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("quantize_weight_(Tensor w, int block, Tensor(a!) q, Tensor(b!) scale, "
         "Tensor(c!)? blocked, Tensor(d!)? comp) -> ()");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor[] packed13, Tensor[] packed2, "
-        "Tensor topk_ids, Tensor topk_weights, int small_rows, Tensor? blocked13, "
+        "Tensor topk_ids, Tensor topk_weights, int small_rows, int dense_path, Tensor? blocked13, "
         "Tensor? blocked2, Tensor[] quant) -> Tensor");
   m.def("blocked_linear(Tensor x, Tensor blocked) -> Tensor");
   m.def("head_amx() -> bool");

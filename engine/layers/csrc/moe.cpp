@@ -213,11 +213,13 @@ void raw_int8_expert(const at::Tensor& xs, at::TensorList quant, const at::Tenso
 // as grouped_experts runs it (so the same bits): each expert's matmuls on its path (int8_linear
 // over the int8 copies where given, its int32 sums exact whichever kernel makes them, else
 // expert_linear()'s: the blocked kernel where the blocked layout is given, else the small-batch
-// kernel for a bf16 expert of at most `small_rows` rows, else oneDNN), the weight applied in its
-// dtype and cast to x's, and each token's k outputs summed in ascending expert order.
+// kernel for a bf16 expert of at most `small_rows` rows, else `dense_path`: PATH_ONEDNN (over the
+// packed weights where given) or PATH_ATEN where oneDNN does not run x's dtype, as linear.py's
+// matmul_path picks), the weight applied in its dtype and cast to x's, and each token's k outputs
+// summed in ascending expert order.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
-                       const at::Tensor& topk_weights, int64_t small_rows,
+                       const at::Tensor& topk_weights, int64_t small_rows, int64_t dense_path,
                        const std::optional<at::Tensor>& blocked13,
                        const std::optional<at::Tensor>& blocked2, at::TensorList quant) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2,
@@ -243,6 +245,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
               "moe_experts: quant is empty or the experts' int8 w13, its scales, int8 w2, its "
               "scales (and both blocked, with their compensations)");
   TORCH_CHECK(quant.size() != 8 || has_vnni_kernel(), "moe_experts: built without AVX512-VNNI");
+  TORCH_CHECK(dense_path == PATH_ONEDNN || (dense_path == PATH_ATEN && !packed),
+              "moe_experts: dense_path is PATH_ONEDNN, or PATH_ATEN without packed weights");
   // A stable counting sort of the slots by expert: torch.argsort(stable=True)'s order.
   const auto ids = topk_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -294,8 +298,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     const auto rows = xs.narrow(0, lo, n);
     const auto& a = packed ? packed13[e] : w13[e];
     const auto& b = packed ? packed2[e] : w2[e];
-    const auto h = silu_and_mul(path_linear(rows, a, std::nullopt, nullptr, PATH_ONEDNN));
-    const auto y = path_linear(h, b, std::nullopt, nullptr, PATH_ONEDNN);
+    const auto h = silu_and_mul(path_linear(rows, a, std::nullopt, nullptr, dense_path));
+    const auto y = path_linear(h, b, std::nullopt, nullptr, dense_path);
     out.narrow(0, lo, n).copy_(y.mul(ws.narrow(0, lo, n).unsqueeze(1)));
   };
   const int64_t count = static_cast<int64_t>(active.size());

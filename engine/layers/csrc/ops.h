@@ -46,7 +46,7 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                        const at::Tensor* residual, int64_t path, at::TensorList quant = {});
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        at::TensorList packed13, at::TensorList packed2, const at::Tensor& topk_ids,
-                       const at::Tensor& topk_weights, int64_t small_rows,
+                       const at::Tensor& topk_weights, int64_t small_rows, int64_t dense_path,
                        const std::optional<at::Tensor>& blocked13,
                        const std::optional<at::Tensor>& blocked2, at::TensorList quant);
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked);

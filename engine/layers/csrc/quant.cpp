@@ -2,7 +2,7 @@
 // token (dynamic), both symmetric and both rotated by a block Hadamard transform along the input
 // dimension first, which spreads a channel's outlier over its block so that one large value no
 // longer sets the scale of the whole row. int32 products and sums (at::_int_mm: oneDNN's VNNI or
-// AMX kernels), rescaled to float32 and written in x's dtype.
+// AMX kernels; int8_sums on an ISA without them), rescaled to float32 and written in x's dtype.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/_int_mm.h>
@@ -11,6 +11,10 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "vec.h"
@@ -150,6 +154,70 @@ template void rescale_row<float>(const int32_t*, float, const float*, const floa
                                  float*, int64_t);
 template void rescale_row<at::BFloat16>(const int32_t*, float, const float*, const float*,
                                         const at::BFloat16*, at::BFloat16*, int64_t);
+
+namespace {
+
+// Whether the ISA this build targets has int8 dot products (layers/quant.py's INT8_FLAGS). Without
+// them oneDNN's int8 kernels add pairs of u8 x s8 products in int16 (vpmaddubsw), which
+// saturates: under ONEDNN_MAX_CPU_ISA=AVX2, at::_int_mm of int8 values beyond +-64 is off by up
+// to 8e4.
+constexpr bool HAS_INT8_DOT =
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__) || defined(__AMX_INT8__)
+    true;
+#else
+    false;
+#endif
+
+// The exact int32 sums of one row of q [., k] and each weight row, the compiler's vectorisation.
+inline int32_t int8_dot(const int8_t* a, const int8_t* b, int64_t k) {
+  int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t p = 0; p < k; ++p) s += int32_t(a[p]) * int32_t(b[p]);
+  return s;
+}
+
+#if defined(__AVX2__)
+// R rows of q against one weight row: 16 int8 at a time sign-extended to int16 and multiplied
+// pairwise into int32 (vpmaddwd: exact, no saturation), the weight's 16 widened once for R rows.
+template <int R>
+void int8_dot_rows(const int8_t* q, const int8_t* w, int32_t* out, int64_t k, int64_t n) {
+  auto widen = [](const int8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  __m256i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  int64_t p = 0;
+  for (; p + 16 <= k; p += 16) {
+    const __m256i wv = widen(w + p);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(widen(q + r * k + p), wv));
+  }
+  for (int r = 0; r < R; ++r) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    out[r * n] = _mm_cvtsi128_si32(s) + int8_dot(q + r * k + p, w + p, k - p);
+  }
+}
+#endif
+
+// The exact int32 sums of q [m, k] @ w [n, k].T on any ISA; a weight row meets every row of q
+// while it is in L1, so the weights stream once. With AVX2, 4 rows of q at a time share each
+// widened weight (4-5x the compiler's loop at 64 rows, as fast as oneDNN's float32 matmul).
+void int8_sums(const int8_t* q, const int8_t* w, int32_t* out, int64_t m, int64_t k, int64_t n) {
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t j = n0; j < n1; ++j) {
+      const int8_t* wj = w + j * k;
+      int64_t i = 0;
+#if defined(__AVX2__)
+      for (; i + 4 <= m; i += 4) int8_dot_rows<4>(q + i * k, wj, out + i * n + j, k, n);
+#endif
+      for (; i < m; ++i) out[i * n + j] = int8_dot(q + i * k, wj, k);
+    }
+  });
+}
+
+}  // namespace
 
 bool has_vnni_kernel() {
 #if defined(__AVX512VNNI__)
@@ -301,9 +369,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     acc = at::empty({m, n}, x.options().dtype(at::kInt));
     vnni_sums(q.data_ptr<int8_t>(), blocked->data_ptr<int8_t>(), comp->data_ptr<int32_t>(),
               acc.data_ptr<int32_t>(), m, k, n);
-  } else {
+  } else if (HAS_INT8_DOT) {
     // [n, k] contiguous, passed transposed: oneDNN reads it as a column-major [k, n].
     acc = at::_int_mm(q, weight.t());
+  } else {
+    acc = at::empty({m, n}, x.options().dtype(at::kInt));
+    int8_sums(q.data_ptr<int8_t>(), weight.data_ptr<int8_t>(), acc.data_ptr<int32_t>(), m, k, n);
   }
   auto out = at::empty({m, n}, x.options());
   std::optional<at::Tensor> b, r;

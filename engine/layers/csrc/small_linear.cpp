@@ -123,7 +123,9 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
     const at::BFloat16* w1 = w0 + k;
     const at::BFloat16* w2 = w1 + k;
     const at::BFloat16* w3 = w2 + k;
-    const bool avx512_group = HAS_AVX512 && k % 16 == 0 && m <= 4;
+    // Every row count takes the same loop (4 rows of x at a time past 4), so a row's sums do not
+    // depend on how many rows share the call.
+    const bool avx512_group = HAS_AVX512 && k % 16 == 0;
     if (!avx512_group && r0 + SMALL_PREFETCH_ROWS + R <= n1) {
       const char* ahead = reinterpret_cast<const char*>(w0 + SMALL_PREFETCH_ROWS * k);
       for (int64_t b = 0; b < R * k * int64_t(sizeof(at::BFloat16)); b += 64)
@@ -131,13 +133,11 @@ void small_linear_rows(const float* x, const at::BFloat16* w, float* out, int64_
     }
 #if defined(__AVX512F__)
     if (avx512_group) {
-      float* o = out + r0;
-      switch (m) {
-        case 1: small_group_avx512<1>(x, w0, o, k, n); continue;
-        case 2: small_group_avx512<2>(x, w0, o, k, n); continue;
-        case 3: small_group_avx512<3>(x, w0, o, k, n); continue;
-        case 4: small_group_avx512<4>(x, w0, o, k, n); continue;
-      }
+      for (int64_t i = 0; i < m; i += 4)
+        dispatch_rows<4>(m - i, [&](auto rows) {
+          small_group_avx512<decltype(rows)::value>(x + i * k, w0, out + i * n + r0, k, n);
+        });
+      continue;
     }
 #endif
     for (int64_t i = 0; i < m; ++i) {

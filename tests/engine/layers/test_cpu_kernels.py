@@ -370,6 +370,13 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     cpu_kernels._drop_stale_lock(lock)  # nothing there: nothing to do
 
 
+def test_a_finished_build_loads_without_ninja_or_a_compiler(monkeypatch):
+    """After `make setup` (or any first build) an Engine's start loads the library as it is."""
+    assert cpu_kernels.build_spec().ready.exists()
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda tool: None)
+    assert cpu_kernels._build()
+
+
 def test_missing_sources_fall_back_with_the_reason_logged(tmp_path, monkeypatch, caplog):
     """An install without csrc/ (or a failed build) runs the torch ops, saying why."""
     monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", tmp_path)

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 # Without CUDA the kernels run under Triton's interpreter: conftest.py sets TRITON_INTERPRET.
-from hotswap.engine.layers import cpu_kernels, moe_triton
+from hotswap.engine.layers import cpu_kernels, linear, moe_triton
 from hotswap.engine.layers.linear import pack
 from hotswap.engine.layers.moe import (
     ExpertPacks,
@@ -81,6 +81,20 @@ def test_the_cpu_kernel_gives_the_torch_paths_bits(dtype, packing, tokens, top_k
         want = grouped_experts(x, w13, w2, routed, packs)
         with torch.inference_mode():
             assert torch.equal(fused_experts(x, w13, w2, routed, packs), want)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
+def test_where_onednn_runs_no_bf16_the_kernel_takes_f_linear_as_torch_does(monkeypatch):
+    """A CPU without AVX-512 (HOTSWAP_CPU_ISA=avx2): an expert's bf16 rows past the small-batch
+    kernel's take F.linear on both paths, and pack() has nothing to pack."""
+    monkeypatch.setattr(linear, "_ONEDNN_DTYPES", (torch.float32,))
+    x, w13, w2, routing = random_case(torch.bfloat16, tokens=64, experts=2, top_k=2)
+    packs = ExpertPacks([pack(w) for w in w13], [pack(w) for w in w2])
+    assert packs.w13[0] is None
+    for given in (packs, None):
+        want = grouped_experts(x, w13, w2, routing, given)
+        with torch.inference_mode():
+            assert torch.equal(fused_experts(x, w13, w2, routing, given), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -270,7 +284,6 @@ def test_alignment_pads_each_expert_to_whole_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_compiled_kernel_at_decode_and_prefill_sizes(dtype, tol):
     assert not moe_triton.INTERPRETED

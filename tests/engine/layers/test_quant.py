@@ -135,6 +135,20 @@ def test_linear_takes_the_int8_copy():
     assert torch.equal(linear(x, lin.weight, quant=lin.quant), lin(x))
 
 
+@pytest.mark.parametrize("int8_dot", [True, False])
+def test_int8_sums_stay_exact_where_onednn_would_saturate(monkeypatch, int8_dot):
+    """Without int8 dot products (AVX2, HOTSWAP_CPU_ISA=avx2) oneDNN's int8 kernels sum pairs of
+    products in int16, which saturates beyond +-64; the sums int8_linear uses stay exact."""
+    if int8_dot and not quant.INT8_DOT:
+        pytest.skip("no int8 dot products on this CPU")
+    monkeypatch.setattr(quant, "INT8_DOT", int8_dot)
+    q = torch.full((3, 64), 127, dtype=torch.int8)
+    q[1], q[2, ::2] = -127, -128
+    w = torch.full((32, 64), -127, dtype=torch.int8)
+    w[::3] = 127
+    assert torch.equal(quant.int8_sums(q, w), (q.long() @ w.long().T).int())
+
+
 def test_fast_path_reason(monkeypatch):
     quant.fast_path.cache_clear()
     monkeypatch.setattr(quant, "read_cpu_flags", lambda: {"avx2"})

@@ -157,7 +157,7 @@ def test_updates_in_both_namings_equal_a_fresh_engine(moe, arch):
         assert run(eng) == want_a
         # two-phase, from a stacked checkpoint
         assert eng.prepare_weights_from_disk(moe[arch, "b-stacked"])["success"]
-        assert eng.commit_weights_update("b2")["success"]
+        assert eng.commit_weight_update("b2")["success"]
         assert run(eng) == want_b
         # distributed (a trainer's broadcast) in both namings, into the standby and in place,
         # tensor by tensor and in flattened buckets
