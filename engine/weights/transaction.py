@@ -129,7 +129,8 @@ class Transactions:
                             else " and its weights are not that version's"))
         if txn is None:
             txn = self._open(storage, pause_mode)
-            stages.lap("pause")
+            if txn.holds_generation:
+                stages.lap("pause")
         txn.sources.append(piece.source)
         txn.touched = time.monotonic()
         if requested is not None:
@@ -205,8 +206,8 @@ class Transactions:
                 self.runner.refresh_derived(stages.lap)
         except Exception as exc:  # noqa: BLE001 - reported, and the engine refuses to serve
             return self._fail(txn, f"update to version {version!r} failed while writing: {exc}")
-        self._close(txn)
         self.serve(version, txn.written)
+        self._close(txn)
         self.last_update_s = time.perf_counter() - start
         stages.lap("commit")
         message = f"updated to version {version!r}"
