@@ -4,10 +4,11 @@ python -m hotswap.rollout.grpo [--steps 10] [--transport tensor|gloo] [--async] 
 
 Each step: `collect` samples a group per prompt (single-digit addition, exact-match reward on the
 last number of the answer), keeps the groups whose rewards differ, and computes GRPO advantages;
-the trainer takes one clipped policy-gradient step with the engine's logprobs as the old
-logprobs; the new weights are pushed into the running engine (in-process with
-`update_weights_from_tensor`, or, with `--transport gloo`, into an engine server process over a
-gloo group by `hotswap.weight_sync.WeightSender`). `--fleet ray --replicas N` samples from N
+the trainer (rollout/trainer.py: each group's prompt computed once, its responses packed on top)
+takes one clipped policy-gradient step with the engine's logprobs as the old logprobs; the new
+weights are pushed into the running engine (in-process with `update_weights_from_tensor`, or,
+with `--transport gloo`, into an engine server process over a gloo group by
+`hotswap.weight_sync.WeightSender`). `--fleet ray --replicas N` samples from N
 engine replicas on Ray (hotswap.fleet.RayFleet) and pushes to all of them every step, through
 Ray's object store or, with `--transport gloo`, one broadcast. `--async` samples the next batch
 while the trainer trains (AsyncRollout, staleness bounded by --max-staleness). Metrics go to wandb
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +41,10 @@ from hotswap.rollout.advantages import nonzero_std
 from hotswap.rollout.agent_loops import SingleTurn
 from hotswap.rollout.client import TokenClient
 from hotswap.rollout.collect import collect
-from hotswap.rollout.importance import MODES, importance_weights
+from hotswap.rollout.importance import MODES
 from hotswap.rollout.rewards import exact_match
-from hotswap.rollout.routing_replay import replay_routes
 from hotswap.rollout.tracking import Tracker, batch_metrics
+from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
 from hotswap.weight_sync.group import free_port
 
@@ -65,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon")
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
+    p.add_argument("--micro-batch", type=int, default=64,
+                   help="sequences per forward/backward, packed with their group's prompt "
+                        "(rollout/trainer.py); the default takes the demo's batch in one")
     p.add_argument("--transport", choices=["tensor", "gloo"], default="tensor",
                    help="tensor: engine in this process, update_weights_from_tensor; gloo: "
                         "engine server in its own process, WeightSender over a gloo group")
@@ -85,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="engine and trainer dtype")
     p.add_argument("--max-total-tokens", type=int, default=16384,
                    help="engine KV pool in tokens (small: the trainer shares the memory)")
+    p.add_argument("--delta-updates", action="store_true",
+                   help="push only the weights' elements that changed in the engine's dtype "
+                        "(full when a delta does not pay or is refused; not with --fleet ray)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="int8: the engine samples with int8 weights x int8 activations (CPU)")
@@ -103,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "must be >= 1")
     if args.tis is not None and not args.tis > 1:
         raise SystemExit("--tis C needs C > 1")
+    if args.delta_updates and args.fleet == "ray":
+        raise SystemExit("--delta-updates goes to one engine (--fleet none): a RayFleet does "
+                         "not take deltas yet")
     return args
 
 
@@ -120,7 +129,8 @@ def addition_rows(count: int, seed: int) -> list[dict]:
 @dataclass
 class EngineHandle:
     backend: Any  # Engine, RemoteEngine or RayFleet
-    push: Callable[[list[tuple[str, torch.Tensor]], str], None]
+    # Pushes the named tensors as that version; returns what went: {"kind", "bytes", ...}.
+    push: Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]]
     close: Callable[[], None]
 
 
@@ -135,21 +145,32 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int,
-                     options: dict[str, Any]) -> EngineHandle:
+                     options: dict[str, Any], delta: bool = False) -> EngineHandle:
     from hotswap.engine import Engine
+    from hotswap.weight_sync import DeltaTracker, update_in_process
 
     engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens, **options)
+    tracker = DeltaTracker(engine.runner.dtype) if delta else None
 
-    def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
-        reply = engine.update_weights_from_tensor(named, weight_version=version)
+    def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
+        if tracker is not None:
+            reply, pushed = update_in_process(engine, named, tracker, weight_version=version)
+        else:
+            reply = engine.update_weights_from_tensor(named, weight_version=version)
+            pushed = _full_push(named)
         if not reply["success"]:
             raise RuntimeError(f"weight update failed: {reply['message']}")
+        return pushed
 
     return EngineHandle(engine, push, engine.shutdown)
 
 
+def _full_push(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    return {"kind": "full", "bytes": sum(t.nbytes for _, t in named)}
+
+
 def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int,
-                         options: dict[str, Any]) -> EngineHandle:
+                         options: dict[str, Any], delta: bool = False) -> EngineHandle:
     """The engine as `python -m hotswap.engine.server` in a child process; weights over gloo."""
     from hotswap.engine import RemoteEngine
     from hotswap.weight_sync import WeightSender
@@ -167,8 +188,9 @@ def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int,
     sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
                           bucket_bytes=32 << 20)
 
-    def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
-        sender.send(named, [remote], weight_version=version)
+    def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
+        sender.send(named, [remote], weight_version=version, delta=delta)
+        return sender.last_push
 
     def close() -> None:
         try:
@@ -195,87 +217,6 @@ def _wait_healthy(remote: Any, proc: subprocess.Popen, timeout_s: float = 600) -
     raise SystemExit("the engine server did not become healthy in time")
 
 
-class Trainer:
-    """An HF causal LM taking clipped policy-gradient steps on RolloutBatches."""
-
-    def __init__(self, path: str, lr: float, clip: float, temperature: float,
-                 micro_batch: int, dtype: str, pad_id: int, tis: float | None = None,
-                 tis_mode: str = "token"):
-        import transformers
-
-        torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        self.model.train()
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.clip, self.temperature = clip, temperature
-        self.micro_batch, self.pad_id = micro_batch, pad_id
-        self.tis, self.tis_mode = tis, tis_mode
-
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p.detach()) for n, p in self.model.named_parameters()]
-
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step: token-mean clipped surrogate over every trainable token. Without
-        --tis the engine's logprobs are the old policy; with it the trainer's own are, and each
-        token is weighted by importance_weights(trainer, engine)."""
-        t = batch.to_tensors(self.pad_id)
-        total = t["loss_mask"].sum().clamp(min=1)
-        self.optim.zero_grad()
-        sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0, "truncated": 0.0}
-        routes: dict[str, int] = {}
-        for lo in range(0, len(batch), self.micro_batch):
-            part = {k: v[lo: lo + self.micro_batch] for k, v in t.items()}
-            logp = response_logprobs(self.model, part, self.temperature, routes)
-            mask, behavior = part["loss_mask"], part["behavior_logprobs"]
-            old, weights = behavior, mask
-            if self.tis is not None:
-                old = logp.detach()
-                iw = importance_weights(old, behavior, mask, self.tis, self.tis_mode)
-                weights = iw.weights
-                sums["truncated"] += iw.truncated.sum().item()  # of trainable tokens
-            ratio = torch.exp(logp - old)
-            adv = part["advantages"][:, None]
-            surrogate = torch.minimum(ratio * adv,
-                                      ratio.clamp(1 - self.clip, 1 + self.clip) * adv)
-            loss = -(surrogate * weights).sum() / total
-            loss.backward()
-            diff = (logp.detach() - behavior) * mask  # the rollout-vs-trainer mismatch
-            sums["abs_diff"] += diff.abs().sum().item()
-            sums["kl"] += ((torch.exp(-diff) - 1 + diff) * mask).sum().item()  # k3 estimator
-            sums["clipped"] += (((ratio - 1).abs() > self.clip).float() * mask).sum().item()
-            sums["loss"] += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0).item()
-        self.optim.step()
-        n = total.item()
-        metrics = {"mismatch/abs_diff": sums["abs_diff"] / n, "mismatch/kl": sums["kl"] / n,
-                   "train/clip_fraction": sums["clipped"] / n, "train/loss": sums["loss"],
-                   "train/grad_norm": grad_norm}
-        if self.tis is not None:
-            metrics["mismatch/tis_truncated"] = sums["truncated"] / n
-        if routes.get("replayed"):  # routing replay: how often the trainer would have differed
-            metrics["mismatch/routes_differ"] = routes["differ"] / routes["replayed"]
-        return metrics
-
-
-def response_logprobs(model: torch.nn.Module, t: dict[str, torch.Tensor],
-                      temperature: float, route_stats: dict[str, int] | None = None
-                      ) -> torch.Tensor:
-    """log p(response token | everything before it), [rows, response length]; where the batch
-    carries routed experts, the forward routes every token to the engine's experts (counting
-    in `route_stats` where its own router disagreed)."""
-    ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)
-    attn = t["attention_mask"]
-    positions = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: real tokens start at 0
-    routes = t.get("routed_experts")
-    with replay_routes(model, routes, route_stats) if routes is not None else nullcontext():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits
-    p_len, r_len = t["prompt_ids"].shape[1], t["response_ids"].shape[1]
-    logits = logits[:, p_len - 1: p_len + r_len - 1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(2, t["response_ids"][..., None])[..., 0]
-
-
 def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: int,
                     transport: str, options: dict[str, Any]) -> EngineHandle:
     """`replicas` engines as Ray actors (a local Ray unless one is running), one CPU each."""
@@ -290,13 +231,14 @@ def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: 
                            backend="gloo", bucket_bytes=32 << 20)
               if transport == "gloo" else None)
 
-    def push(named: list[tuple[str, torch.Tensor]], version: str) -> None:
+    def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
         if sender is not None:
             sender.send(named, [fleet], weight_version=version)
-            return
+            return sender.last_push
         reply = fleet.update_weights_from_tensor(named, weight_version=version)
         if not reply["success"]:
             raise RuntimeError(f"weight update failed: {reply['message']}")
+        return _full_push(named)
 
     def close() -> None:
         try:
@@ -332,7 +274,8 @@ def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
                                  args.replicas, args.transport, engine_options(args))
     else:
         start = start_server_process if args.transport == "gloo" else start_in_process
-        handle = start(path, args.dtype, args.seed, args.max_total_tokens, engine_options(args))
+        handle = start(path, args.dtype, args.seed, args.max_total_tokens, engine_options(args),
+                       args.delta_updates)
     try:
         yield handle
     finally:
@@ -435,8 +378,12 @@ def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, tra
         metrics.update(trainer.step(batch))
     metrics["time/train_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    handle.push(trainer.named_weights(), str(step + 1))
+    pushed = handle.push(trainer.named_weights(), str(step + 1))
     metrics["time/weight_sync_s"] = time.perf_counter() - start
+    metrics["sync/sent_mb"] = pushed["bytes"] / 1e6
+    metrics["sync/delta"] = float(pushed["kind"] == "delta")
+    if "changed_fraction" in pushed:
+        metrics["sync/changed_fraction"] = float(pushed["changed_fraction"])
     groups = batch.meta.get("groups", {})
     metrics["batch/groups_filtered"] = float(groups.get("filtered", 0))
     return metrics

@@ -24,6 +24,8 @@ COLUMNS = [
     ("mismatch/tis_truncated", "tis cut", 7, ".3f"),
     ("time/rollout_s", "roll s", 6, ".1f"), ("time/train_s", "train s", 7, ".1f"),
     ("time/weight_sync_s", "sync s", 6, ".2f"),
+    ("sync/sent_mb", "sent MB", 8, ".1f"),
+    ("sync/changed_fraction", "changed", 8, ".2%"),
     ("fleet/replicas", "replicas: requests, tok/s, version, state", 0, ""),
 ]
 

@@ -1,4 +1,5 @@
-"""The main job (`python -m hotswap.rollout.grpo`) for 3 steps on a tiny random model."""
+"""The main job (`python -m hotswap.rollout.grpo`) for 3 steps on a tiny random model, and its
+trainer step (rollout/trainer.py) against the padded step that packing replaced."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import json
 import math
 import os
 import struct
+from contextlib import nullcontext
 
 import pytest
-from fixtures import write_tiny_chat_model
+import torch
+from fixtures import write_moe, write_tiny_chat_model
 
 from hotswap.rollout.grpo import parse_args, run
+from hotswap.rollout.importance import importance_weights
+from hotswap.rollout.routing_replay import moe_routers, record_routes, replay_routes
+from hotswap.rollout.trainer import Trainer, micro_batches, prompt_units
+from hotswap.rollout.trajectory import RolloutBatch, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +168,136 @@ def test_routing_replay_on_the_tiny_moe_the_repository_writes(tmp_path):
     for h in history:
         assert h["mismatch/abs_diff"] < 1e-4
         assert 0 <= h["mismatch/routes_differ"] < 0.05
+
+
+def padded_logprobs(model, t: dict, temperature: float, route_stats: dict) -> torch.Tensor:
+    """The trainer step's forward before packing (the reference): one left-padded row per
+    sample, logits at every position, then the response slice."""
+    ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)
+    attn = t["attention_mask"]
+    positions = (attn.cumsum(1) - 1).clamp(min=0)
+    routes = t.get("routed_experts")
+    with replay_routes(model, routes, route_stats) if routes is not None else nullcontext():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+    p_len, r_len = t["prompt_ids"].shape[1], t["response_ids"].shape[1]
+    logits = logits[:, p_len - 1: p_len + r_len - 1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(2, t["response_ids"][..., None])[..., 0]
+
+
+def padded_step(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
+    """The reference step's gradients (clipped to norm 1, left in .grad) and metrics."""
+    t = batch.to_tensors(trainer.pad_id)
+    total = t["loss_mask"].sum().clamp(min=1)
+    trainer.model.zero_grad()
+    sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0, "truncated": 0.0}
+    for lo in range(0, len(batch), trainer.micro_batch):
+        part = {k: v[lo: lo + trainer.micro_batch] for k, v in t.items()}
+        logp = padded_logprobs(trainer.model, part, trainer.temperature, {})
+        mask, behavior = part["loss_mask"], part["behavior_logprobs"]
+        old, weights = behavior, mask
+        if trainer.tis is not None:
+            old = logp.detach()
+            iw = importance_weights(old, behavior, mask, trainer.tis, trainer.tis_mode)
+            weights = iw.weights
+            sums["truncated"] += iw.truncated.sum().item()
+        ratio = torch.exp(logp - old)
+        adv = part["advantages"][:, None]
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - trainer.clip, 1 + trainer.clip)
+                                  * adv)
+        loss = -(surrogate * weights).sum() / total
+        loss.backward()
+        diff = (logp.detach() - behavior) * mask
+        sums["abs_diff"] += diff.abs().sum().item()
+        sums["kl"] += ((torch.exp(-diff) - 1 + diff) * mask).sum().item()
+        sums["clipped"] += (((ratio - 1).abs() > trainer.clip).float() * mask).sum().item()
+        sums["loss"] += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0).item()
+    n = total.item()
+    metrics = {"mismatch/abs_diff": sums["abs_diff"] / n, "mismatch/kl": sums["kl"] / n,
+               "train/clip_fraction": sums["clipped"] / n, "train/loss": sums["loss"],
+               "train/grad_norm": grad_norm}
+    if trainer.tis is not None:
+        metrics["mismatch/tis_truncated"] = sums["truncated"] / n
+    return metrics
+
+
+def grpo_batch(model, seed: int, routes: bool = False) -> RolloutBatch:
+    """Groups of 1-5 samples over prompts of 3-9 tokens (two groups share one prompt), responses
+    of 1-9 tokens with masked context tokens in some, behaviour logprobs near the model's own
+    (and, with `routes`, the model's routes as the engine records them)."""
+    g = torch.Generator().manual_seed(seed)
+    rand = (lambda hi, n=1: torch.randint(3, hi, (n,), generator=g).tolist())
+    vocab = model.config.vocab_size
+    prompts = [rand(vocab, n) for n in (5, 9, 3, 7)]
+    prompts.append(prompts[0])
+    trajs = []
+    for group, (prompt, size) in enumerate(zip(prompts, (4, 5, 1, 3, 2))):
+        for s in range(size):
+            resp = rand(vocab, rand(10)[0] - 2)
+            mask = [0 if 2 <= i <= 3 and s % 2 else 1 for i in range(len(resp))]
+            traj = Trajectory(prompt_ids=prompt, response_ids=resp, loss_mask=mask,
+                              logprobs=[0.0] * len(resp), group_id=group,
+                              versions=[str(group) if m else None for m in mask],
+                              reward=float(s % 2), sample_idx=s)
+            if routes:
+                ids = torch.tensor([prompt + resp[:-1]])
+                traj.routed_experts = record_routes(model, ids)[0].to(torch.int16).numpy()
+            trajs.append(traj)
+    batch = RolloutBatch.from_trajectories(trajs, torch.randn(len(trajs), generator=g).tolist())
+    with torch.no_grad():
+        own = padded_logprobs(model, batch.to_tensors(2), 1.0, {})
+    noise = torch.randn(own.shape, generator=g) * 0.2
+    batch.behavior_logprobs = [[(own[i, j] + noise[i, j]).item() * m for j, m in enumerate(mask)]
+                               for i, mask in enumerate(batch.loss_mask)]
+    return batch
+
+
+def test_packing_keeps_groups_whole_and_splits_only_what_is_too_large(model_path) -> None:
+    import transformers
+
+    batch = grpo_batch(transformers.AutoModelForCausalLM.from_pretrained(model_path), seed=0)
+    units = prompt_units(batch)
+    assert [len(u) for u in units] == [6, 5, 1, 3]  # groups 0 and 4 share their prompt
+    assert micro_batches(units, 4) == [[units[0][:4]], [units[0][4:]], [units[1][:4]],
+                                       [units[1][4:], units[2]], [units[3]]]
+    assert micro_batches(units, 16) == [units]
+
+
+def compare_steps(trainer: Trainer, batch: RolloutBatch) -> None:
+    want = padded_step(trainer, batch)
+    ref = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    got = trainer.step(batch)  # lr 0: the weights stay, the clipped gradients are compared
+    for name, p in trainer.model.named_parameters():
+        scale = ref[name].abs().max().item()
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+        assert (p.grad - ref[name]).norm() <= 1e-5 * ref[name].norm(), name
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+    assert want["train/grad_norm"] > 0
+    assert trainer.tis is not None or 0 < want["train/clip_fraction"] < 1  # TIS: ratio 1
+
+
+@pytest.mark.parametrize("micro_batch,tis", [(16, None), (4, None), (3, ("token", 2.0)),
+                                             (16, ("sequence", 1.5))])
+def test_the_packed_step_gives_the_padded_steps_gradients(model_path, micro_batch, tis) -> None:
+    """Same batch, fp32: the packed step's gradients and metrics are the padded ones."""
+    mode, cap = tis or ("token", None)
+    trainer = Trainer(model_path, lr=0.0, clip=0.2, temperature=0.9, micro_batch=micro_batch,
+                      dtype="float32", pad_id=2, tis=cap, tis_mode=mode)
+    compare_steps(trainer, grpo_batch(trainer.model, seed=1))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_packed_step_under_routing_replay(tmp_path, arch) -> None:
+    """Routes recorded on the model, then its routers perturbed: the replayed experts are not the
+    model's own choice, and both steps replay them alike."""
+    trainer = Trainer(write_moe(str(tmp_path), arch, seed=0), lr=0.0, clip=0.2, temperature=1.0,
+                      micro_batch=4, dtype="float32", pad_id=2)
+    batch = grpo_batch(trainer.model, seed=2, routes=True)
+    with torch.no_grad():
+        for router in moe_routers(trainer.model):
+            router.weight.add_(torch.randn_like(router.weight) * 0.05)
+    compare_steps(trainer, batch)
+    assert trainer.step(batch)["mismatch/routes_differ"] > 0
