@@ -10,7 +10,8 @@ the cheapest of four forms:
 - "blocks": int32 block numbers and the whole blocks of BLOCK elements (changes cluster);
 - "full": every element (most changed).
 A sample of the copy (every SAMPLE-th element) estimates the changed share first: above DENSE a
-full push is cheaper than encoding, and the copy is not kept until deltas pay again.
+full push is cheaper than encoding, the copy is not kept, and the next LOOK_AGAIN - 1 pushes go
+full without looking (a float32 engine under AdamW: every element moves, every step).
 A `Delta` names the base version it applies to. An engine refuses it unless it serves exactly
 that version, and nothing changes; the sender then pushes the full weights (sender.py). Applied
 to weights equal to the base, a delta gives the bits a full push of the same tensors would.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +40,9 @@ from hotswap.weight_sync.group import WeightGroup
 
 NONE, SPARSE, BLOCKS, FULL = 0, 1, 2, 3
 BLOCK = 256  # elements per block of the "blocks" form
-SAMPLE = 61  # the tracker's estimate looks at every SAMPLE-th element (a prime: no row pattern)
+SAMPLE = 1009  # the estimate looks at every SAMPLE-th element (a prime: no row pattern)
 DENSE = 0.3  # an estimated changed share above which a full push costs less than encoding
+LOOK_AGAIN = 8  # after dense changes, the push that looks at the samples again
 _HEAD = 6
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 logger = logging.getLogger("hotswap.weight_sync")
@@ -170,6 +172,7 @@ class DeltaTracker:
         self._base: dict[str, torch.Tensor] = {}
         self._sample: dict[str, torch.Tensor] = {}
         self.last_estimate: float | None = None  # the changed share plan() estimated
+        self._skip = 0  # pushes left to go full without looking (changes were dense)
 
     @property
     def nbytes(self) -> int:
@@ -180,22 +183,27 @@ class DeltaTracker:
 
     def estimate(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> float | None:
         """The share of elements that changed, from the samples (None: no sample yet)."""
-        changed = total = 0
-        for name, tensor in tensors:
-            old = self._sample.get(name)
-            if old is None:
-                return None
-            new = _sample(tensor, self.dtype)
+        if any(name not in self._sample for name, _ in tensors):
+            return None
+
+        def changed(named: tuple[str, torch.Tensor]) -> tuple[int, int]:
+            new, old = _sample(named[1], self.dtype), self._sample[named[0]]
             bits = _BITS[new.element_size()]
-            changed += int(torch.count_nonzero(new.view(bits) != old.view(bits)))
-            total += new.numel()
-        return changed / max(total, 1)
+            return int(torch.count_nonzero(new.view(bits) != old.view(bits))), new.numel()
+
+        counts = _each(changed, tensors)
+        return sum(c for c, _ in counts) / max(sum(n for _, n in counts), 1)
 
     def plan(self, tensors: Sequence[tuple[str, torch.Tensor]], served: set[str]
              ) -> tuple[Delta, list] | None:
         """The delta to push to targets serving `served`, with the values it leaves them
         (`committed` takes them); None when a full push is due: no base yet, targets on
-        another version, or changes dense enough that encoding costs more than it saves."""
+        another version, or changes dense enough that encoding costs more than it saves
+        (then the next LOOK_AGAIN - 1 pushes go full without looking)."""
+        self.last_estimate = None
+        if self._skip:
+            self._skip -= 1
+            return None
         self.last_estimate = self.estimate(tensors)
         if self.last_estimate is None or self.last_estimate > DENSE:
             return None
@@ -203,27 +211,31 @@ class DeltaTracker:
             return None
         return self.encode(tensors)
 
-    def after_full(self, version: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """After a full push: keep the copy unless the last plan found changes dense."""
+    def after_full(self, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """After a full push: keep the copy where deltas may pay; where changes are dense keep
+        nothing, but sample the push before the next look (it compares with that)."""
         estimate = self.last_estimate
-        self.committed_full(version, tensors, keep=estimate is None or estimate <= DENSE)
+        if estimate is not None and estimate > DENSE:
+            self._skip = LOOK_AGAIN - 1
+        if not self._sample or (estimate is not None and estimate <= DENSE):
+            self.committed_full(version, tensors, keep=True)
+        elif self._skip == 0:
+            self.committed_full(version, tensors, keep=False)
+        else:
+            self._base.clear()
+            self.base_version = version
 
     def encode(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[Delta, list]:
         """The delta of `tensors` (rounded to the weights' dtype) against the base, and the
         rounded tensors, which become the base once the targets commit (`committed`)."""
         assert self.base_version is not None
-        with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(tensors)))) as pool:
-            parts = list(pool.map(self._encode_tensor, tensors))
+        parts = _each(self._encode_tensor, tensors)
         delta = Delta(self.base_version, [p[0] for p in parts], [p[1] for p in parts],
                       [p[2] for p in parts], _cat([p[3] for p in parts], torch.int32),
                       _cat([p[4] for p in parts], self.dtype))
         return delta, [(p[0].name, p[5]) for p in parts]
 
     def _encode_tensor(self, named: tuple[str, torch.Tensor]) -> tuple:
-        """One tensor, on one core: a pool of single-threaded workers over the tensors beats
-        one OpenMP team over each tensor's small ops (measured 0.23-0.45 s against 2.5-6.7 s
-        for SmolLM2-sized weights on a busy 2-core machine)."""
-        torch.set_num_threads(1)  # this worker thread's own setting
         name, tensor = named
         # A copy even where the dtype is the same: the trainer steps its tensors in place.
         new = tensor.detach().to("cpu", self.dtype, copy=True).contiguous()
@@ -231,25 +243,26 @@ class DeltaTracker:
         count = index.numel() if code in (SPARSE, BLOCKS) else values.numel()
         return TensorSpec(name, self.dtype, tuple(new.shape)), code, count, index, values, new
 
-    def committed(self, version: str, rounded: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def committed(self, version: str, rounded: Sequence[tuple[str, torch.Tensor]]) -> None:
         """The targets now serve `version`, holding these values (rounded to the dtype)."""
-        for name, tensor in rounded:
+        samples = _each(lambda named: _sample(named[1], self.dtype), rounded)
+        for (name, tensor), sample in zip(rounded, samples):
             self._base[name] = tensor
-            self._sample[name] = _sample(tensor, self.dtype)
+            self._sample[name] = sample
         self.base_version = version
 
-    def committed_full(self, version: str, tensors: Iterable[tuple[str, torch.Tensor]],
+    def committed_full(self, version: str, tensors: Sequence[tuple[str, torch.Tensor]],
                        keep: bool = True) -> None:
         """After a full push of these (trainer) tensors. keep=False keeps only the samples
         (changes are dense: the copy would cost a pass over the weights for nothing); the
         next push is then full, and keeps the copy if the samples say deltas pay again."""
         if keep:
-            self.committed(version, ((n, t.detach().to("cpu", self.dtype, copy=True))
-                                     for n, t in tensors))
+            self.committed(version, _each(lambda named: (named[0], named[1].detach().to(
+                "cpu", self.dtype, copy=True)), tensors))
             return
         self._base.clear()
-        for name, tensor in tensors:
-            self._sample[name] = _sample(tensor, self.dtype)
+        samples = _each(lambda named: _sample(named[1], self.dtype), tensors)
+        self._sample.update((name, s) for (name, _), s in zip(tensors, samples))
         self.base_version = version
 
     def forget(self) -> None:
@@ -295,6 +308,18 @@ def full_stats(tracker: DeltaTracker, tensors: Iterable[tuple[str, torch.Tensor]
     estimate = tracker.last_estimate
     return {"kind": "full", "bytes": sum(t.nbytes for _, t in tensors),
             "changed_fraction": 1.0 if estimate is None else estimate}
+
+
+def _each(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """fn over items on a pool of single-threaded workers: beside a trainer's threads, one
+    OpenMP team over each tensor's small ops is far slower (SmolLM2's encode measured 0.23-0.45 s
+    this way against 2.5-6.7 s on a busy 2-core machine)."""
+    def one(item: Any) -> Any:
+        torch.set_num_threads(1)  # this worker thread's own setting
+        return fn(item)
+
+    with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(items)))) as pool:
+        return list(pool.map(one, items))
 
 
 def _sample(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
