@@ -170,6 +170,11 @@ class Coordinator(EngineClient):
     # weights: a trainer's process group
 
     @property
+    def weights_dtype(self) -> str:
+        """The dtype every member keeps its weights in (what a delta update carries)."""
+        return self._same(self.call_each(lambda e: e.weights_dtype), "weights' dtype")
+
+    @property
     def weight_sync_ranks(self) -> int:
         """Ranks a group made now takes: every member's (its TP size)."""
         return sum(e.weight_sync_ranks for _, e in self.members())

@@ -29,6 +29,7 @@ from hotswap.fleet.health import Health
 from hotswap.fleet.placement import Placement, Replica, ReplicaSpec
 from hotswap.fleet.replica import pack_tensors
 from hotswap.fleet.replica_client import ReplicaClient, ray_module
+from hotswap.weight_sync.delta import Delta
 
 logger = logging.getLogger("hotswap.fleet")
 
@@ -237,10 +238,19 @@ class RayFleet(Coordinator):
         committing call prepares on every replica (validated and checked while serving goes
         on) and commits on all, so one replica's refusal leaves every replica serving its old
         weights; commit=False stages them on every replica, as an Engine stages."""
+        commit = resolve_commit(commit, flush_cache)
+        if (load_format == "delta") != isinstance(named_tensors, Delta):
+            raise ValueError('load_format="delta" goes with a Delta (hotswap.weight_sync), and a '
+                             "Delta with it")
+        if load_format == "delta":  # small: into the store as it is, prepared on every replica
+            if not commit or self._pieces_open():
+                raise ValueError("a delta commits as one update: not with commit=False pieces")
+            delta_ref = ray_module().put(named_tensors)
+            return self._two_phase(lambda e: e.prepare_tensors(delta_ref), self.members(),
+                                   weight_version, pause_mode)
         if load_format not in (None, "direct"):
             raise ValueError(f"load_format {load_format!r}: a fleet takes tensors as they are")
         ref = ray_module().put(pack_tensors(named_tensors))
-        commit = resolve_commit(commit, flush_cache)
         if commit and not self._pieces_open():
             return self._two_phase(lambda e: e.prepare_tensors(ref), self.members(),
                                    weight_version, pause_mode)

@@ -23,6 +23,7 @@ import torch
 from hotswap.engine import Engine
 from hotswap.engine.client.protocol import interface_methods
 from hotswap.weight_sync.bucket import dtype_to_str, str_to_dtype
+from hotswap.weight_sync.delta import Delta
 
 # (name, dtype, shape, bytes): what goes through Ray's object store
 Packed = list[tuple[str, str, tuple[int, ...], np.ndarray]]
@@ -83,9 +84,14 @@ class EngineReplica:
         """A Ray streaming generator: the engine's incremental outputs, one object each."""
         yield from self.engine.generate(**kwargs, stream=True)
 
-    def prepare_tensors(self, packed: Packed) -> dict:
+    def weights_dtype(self) -> str:
+        return self.engine.weights_dtype
+
+    def prepare_tensors(self, packed: Packed | Delta) -> dict:
         """Phase one of a two-phase update from tensors in the object store (pack_tensors):
         validated and checked while serving goes on; commit_weight_update applies them."""
+        if isinstance(packed, Delta):  # small: through the object store as it is
+            return self.engine.prepare_weights_from_tensor(packed)
         return self.engine.prepare_weights_from_tensor(unpack_tensors(packed))
 
     def update_tensors(self, packed: Packed, *args: Any, **kwargs: Any) -> dict:

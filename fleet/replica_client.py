@@ -69,6 +69,10 @@ class ReplicaClient:
 
     # through the object store (EngineReplica's own methods)
 
+    @property
+    def weights_dtype(self) -> str:
+        return self.get(self.actor.weights_dtype.remote())
+
     def prepare_tensors(self, packed: Any) -> dict:
         return self.get(self.actor.prepare_tensors.remote(packed))
 

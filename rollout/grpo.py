@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine KV pool in tokens (small: the trainer shares the memory)")
     p.add_argument("--delta-updates", action="store_true",
                    help="push only the weights' elements that changed in the engine's dtype "
-                        "(full when a delta does not pay or is refused; not with --fleet ray)")
+                        "(full when a delta does not pay or is refused)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="int8: the engine samples with int8 weights x int8 activations (CPU)")
@@ -109,9 +109,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "must be >= 1")
     if args.tis is not None and not args.tis > 1:
         raise SystemExit("--tis C needs C > 1")
-    if args.delta_updates and args.fleet == "ray":
-        raise SystemExit("--delta-updates goes to one engine (--fleet none): a RayFleet does "
-                         "not take deltas yet")
     return args
 
 
@@ -218,10 +215,11 @@ def _wait_healthy(remote: Any, proc: subprocess.Popen, timeout_s: float = 600) -
 
 
 def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: int,
-                    transport: str, options: dict[str, Any]) -> EngineHandle:
+                    transport: str, options: dict[str, Any], delta: bool = False
+                    ) -> EngineHandle:
     """`replicas` engines as Ray actors (a local Ray unless one is running), one CPU each."""
     from hotswap.fleet import RayFleet
-    from hotswap.weight_sync import WeightSender
+    from hotswap.weight_sync import DeltaTracker, WeightSender, str_to_dtype, update_in_process
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray: 127.0.0.1
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -231,14 +229,20 @@ def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: 
                            backend="gloo", bucket_bytes=32 << 20)
               if transport == "gloo" else None)
 
+    tracker = DeltaTracker(str_to_dtype(fleet.weights_dtype)) if delta else None
+
     def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
         if sender is not None:
-            sender.send(named, [fleet], weight_version=version)
+            sender.send(named, [fleet], weight_version=version, delta=delta)
             return sender.last_push
-        reply = fleet.update_weights_from_tensor(named, weight_version=version)
+        if tracker is not None:
+            reply, pushed = update_in_process(fleet, named, tracker, weight_version=version)
+        else:
+            reply = fleet.update_weights_from_tensor(named, weight_version=version)
+            pushed = _full_push(named)
         if not reply["success"]:
             raise RuntimeError(f"weight update failed: {reply['message']}")
-        return _full_push(named)
+        return pushed
 
     def close() -> None:
         try:
@@ -271,7 +275,8 @@ def replica_metrics(fleet: Any, before: dict[int, dict], seconds: float
 def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
     if args.fleet == "ray":
         handle = start_ray_fleet(path, args.dtype, args.seed, args.max_total_tokens,
-                                 args.replicas, args.transport, engine_options(args))
+                                 args.replicas, args.transport, engine_options(args),
+                                 args.delta_updates)
     else:
         start = start_server_process if args.transport == "gloo" else start_in_process
         handle = start(path, args.dtype, args.seed, args.max_total_tokens, engine_options(args),

@@ -18,7 +18,7 @@ from hotswap.engine import Engine
 from hotswap.engine.client.protocol import EngineClient
 from hotswap.fleet.replica import FORWARDED
 from hotswap.fleet.replica_client import ReplicaClient
-from hotswap.weight_sync import WeightSender
+from hotswap.weight_sync import DeltaTracker, WeightSender, update_in_process
 from hotswap.weight_sync.group import WeightSyncError, free_port
 
 ray = pytest.importorskip("ray")
@@ -337,3 +337,32 @@ def test_routed_experts_come_back_from_the_replicas_as_from_one_engine(local_ray
         assert np.array_equal(g["meta_info"]["routed_experts"], w["meta_info"]["routed_experts"])
     assert np.array_equal(streamed[-1]["meta_info"]["routed_experts"],
                           want[0]["meta_info"]["routed_experts"])
+
+
+def test_delta_updates_reach_every_replica_as_a_full_push_would(fleet, models):
+    """In-process (the object store) and over gloo: the first push is full, the next ones
+    carry only the changed elements, and every replica holds the full push's values."""
+    base = a_tensors(models)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tracker = DeltaTracker(torch.float32)
+    sender = WeightSender("127.0.0.1", free_port(), world_size=1 + fleet.weight_sync_ranks,
+                          group_name="delta", backend="gloo")
+    try:
+        for step in range(3):
+            named = [(n, t.clone()) for n, t in base.items()]
+            dict(named)[name][step, :4] += 0.5 * (step + 1)  # a few elements change per step
+            if step < 2:
+                reply, pushed = update_in_process(fleet, named, tracker)
+                assert reply["success"]
+            else:
+                sender.send(named, [fleet], delta=True)
+                sender.send(named, [fleet], delta=True)  # the first is full: no base yet
+                pushed = sender.last_push
+            assert pushed["kind"] == ("full" if step == 0 else "delta")
+            want = dict(named)[name][:4].tolist()  # rows 0-3: every changed element
+            assert fleet.get_weights_by_name(name, truncate_size=4) == want
+            assert tokens(fleet.generate(PROMPTS[:1], GREEDY))  # serving, on one version
+    finally:
+        if sender.connected:
+            sender.close([fleet])
+    fleet.update_weights_from_tensor(base)
