@@ -1,6 +1,7 @@
 """Where one trainer step of `python -m hotswap.rollout.grpo` goes: old (padded) vs new (packed).
 
 python bench/grpo_step.py [--model models/smollm2-135m-instruct] [--reps 3] [--threads N]
+                          [--max-new-tokens 16]
 
 One batch shaped like the job's (8 addition prompts in the chat template x 6 responses of 8-16
 tokens, the engine's logprobs stood in for by the trainer's own), then per repetition an old
@@ -39,7 +40,6 @@ from hotswap.rollout.trainer import (
     micro_batches,
     pack,
     packed_hidden,
-    prompt_units,
     token_logprobs,
 )
 from hotswap.rollout.trajectory import RolloutBatch, Trajectory
@@ -49,7 +49,7 @@ STAGES = ("forward", "head+logsoftmax", "loss", "backward.head", "backward.decod
           "optimizer")
 
 
-def job_batch(path: str, prompts: int, group: int, seed: int) -> RolloutBatch:
+def job_batch(path: str, prompts: int, group: int, seed: int, longest: int) -> RolloutBatch:
     from transformers import AutoTokenizer
 
     from hotswap.rollout.grpo import addition_rows
@@ -61,7 +61,7 @@ def job_batch(path: str, prompts: int, group: int, seed: int) -> RolloutBatch:
         prompt = tok.apply_chat_template(row["messages"], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)
         for s in range(group):
-            resp = [rng.randrange(100, 20000) for _ in range(rng.randint(8, 16))]
+            resp = [rng.randrange(100, 20000) for _ in range(rng.randint(longest // 2, longest))]
             trajs.append(Trajectory(prompt_ids=list(prompt), response_ids=resp,
                                     loss_mask=[1] * len(resp), logprobs=[0.0] * len(resp),
                                     versions=["0"] * len(resp), reward=float(rng.random() < .4),
@@ -90,17 +90,17 @@ def old_parts(batch: RolloutBatch, t: dict, size: int) -> list[Callable]:
     return [lambda m, temp, c, lo=lo: run(lo, m, temp, c) for lo in range(0, len(batch), size)]
 
 
-def new_parts(batch: RolloutBatch, t: dict, size: int, pad_id: int) -> list[Callable]:
+def new_parts(batch: RolloutBatch, t: dict, trainer: Trainer) -> list[Callable]:
     def run(units: list[list[int]], model: torch.nn.Module, temperature: float, clock: Clock):
         part = {k: v[torch.tensor([i for u in units for i in u])] for k, v in t.items()}
-        packed = pack(batch, units, pad_id, model.dtype)
+        packed = pack(batch, units, trainer.pad_id, model.dtype)
         hidden = packed_hidden(model, packed)
         clock.lap("forward")
         flat = token_logprobs(model, hidden, packed, temperature)
         logp = torch.zeros(part["loss_mask"].shape).index_put((packed.row, packed.col), flat)
         clock.lap("head+logsoftmax")
         return hidden, logp, part
-    units = micro_batches(prompt_units(batch), size)
+    units = micro_batches(trainer.units(batch), trainer.micro_batch)
     return [lambda m, temp, c, u=u: run(u, m, temp, c) for u in units]
 
 
@@ -146,27 +146,31 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group-size", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="responses of half this to this many tokens")
     p.add_argument("--micro-batch", type=int, default=parse_args([]).micro_batch,
                    help="new: the job's --micro-batch (old: 16 rows)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    batch = job_batch(args.model, args.prompts, args.group_size, seed=0)
+    batch = job_batch(args.model, args.prompts, args.group_size, 0, args.max_new_tokens)
     trainer = Trainer(args.model, lr=1e-5, clip=0.2, temperature=1.0,
                       micro_batch=args.micro_batch, dtype="float32", pad_id=2)
     params = list(trainer.model.parameters())
     optims = {"old": torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=False),
               "new": trainer.optim}
+    units = trainer.units(batch)
     with torch.no_grad():  # the engine's logprobs: the trainer's own (ratio 1, as in the job)
-        logp = trainer.response_logprobs(batch, prompt_units(batch),
-                                         max(map(len, batch.response_ids)), {})
+        logp = torch.zeros(len(batch), max(map(len, batch.response_ids)))
+        logp[[i for u in units for i in u]] = trainer.response_logprobs(batch, units,
+                                                                        logp.shape[1], {})
     batch.behavior_logprobs = [logp[i, :len(r)].tolist()
                                for i, r in enumerate(batch.response_ids)]
     t = batch.to_tensors(trainer.pad_id)
     variants = {"old": old_parts(batch, t, 16),
-                "new": new_parts(batch, t, args.micro_batch, trainer.pad_id)}
-    packed = [pack(batch, u, 2) for u in micro_batches(prompt_units(batch), args.micro_batch)]
+                "new": new_parts(batch, t, trainer)}
+    packed = [pack(batch, u, 2) for u in micro_batches(units, args.micro_batch)]
     print(f"batch: {len(batch)} rows, {sum(map(sum, batch.loss_mask))} trainable tokens; "
           f"decoder positions: old {t['attention_mask'].numel()}, new "
           f"{sum(pk.input_ids.numel() for pk in packed)}; head rows: old "

@@ -8,12 +8,15 @@ positions it has in its own sequence. So a group's prompt is computed once (its 
 receive the gradients of every response of the group, as the sum of what the per-sample rows
 would give them), no position is padding beyond the longest group of a micro-batch, and the LM
 head and the log-softmax (49,152 wide for SmolLM2) run only on the positions that predict a
-trainable token. tests/rollout/test_rollout_grpo.py checks the gradients against the one padded
-row per sample that this replaced.
+trainable token. Attention runs over a dense mask, quadratic in the packed length, so a group
+of long responses is split into several sequences (split_unit).
+tests/rollout/test_rollout_grpo.py checks the gradients against the one padded row per sample
+that this replaced.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -46,6 +49,22 @@ def prompt_units(batch: RolloutBatch) -> list[list[int]]:
         routed = None if routes is None else np.asarray(routes[:len(prompt)]).tobytes()
         units.setdefault((tuple(prompt), routed), []).append(i)
     return list(units.values())
+
+
+def split_unit(batch: RolloutBatch, unit: list[int], width: float) -> list[list[int]]:
+    """A unit's rows as packed sequences of `size` responses each, the size that costs least: a
+    sequence of L positions costs ~ L (the layers' matmuls) + L * L / width (attention over a
+    dense mask), and a micro-batch pads every sequence to the longest. Long responses then go
+    one or two a sequence, short ones all in one."""
+    p = len(batch.prompt_ids[unit[0]])
+    fed = sum(max(len(batch.response_ids[i]) - 1, 0) for i in unit) / len(unit)
+
+    def cost(size: int) -> float:
+        length = p + size * fed
+        return math.ceil(len(unit) / size) * length * (1 + length / width)
+
+    size = min(range(len(unit), 0, -1), key=cost)
+    return [unit[lo: lo + size] for lo in range(0, len(unit), size)]
 
 
 def micro_batches(units: list[list[int]], size: int) -> list[list[list[int]]]:
@@ -196,6 +215,14 @@ class Trainer:
         self.clip, self.temperature = clip, temperature
         self.micro_batch, self.pad_id = micro_batch, pad_id
         self.tis, self.tis_mode = tis, tis_mode
+        # split_unit's attention cost: a dense-mask position costs as much as the layers' matmuls
+        # at L ~ 4.5 x hidden size (fitted on SmolLM2's forward and backward on CPU)
+        self.pack_width = 4.5 * self.model.config.hidden_size
+
+    def units(self, batch: RolloutBatch) -> list[list[int]]:
+        """The packed sequences of a batch: rows sharing a prompt, split where that is cheaper."""
+        return [part for unit in prompt_units(batch)
+                for part in split_unit(batch, unit, self.pack_width)]
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
@@ -217,7 +244,7 @@ class Trainer:
         self.optim.zero_grad()
         sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0, "truncated": 0.0}
         routes: dict[str, int] = {}
-        for units in micro_batches(prompt_units(batch), self.micro_batch):
+        for units in micro_batches(self.units(batch), self.micro_batch):
             index = torch.tensor([i for unit in units for i in unit])
             part = {k: v[index] for k, v in t.items()}
             mask, behavior = part["loss_mask"], part["behavior_logprobs"]

@@ -17,7 +17,7 @@ from fixtures import write_moe, write_tiny_chat_model
 from hotswap.rollout.grpo import parse_args, run
 from hotswap.rollout.importance import importance_weights
 from hotswap.rollout.routing_replay import moe_routers, record_routes, replay_routes
-from hotswap.rollout.trainer import Trainer, micro_batches, prompt_units
+from hotswap.rollout.trainer import Trainer, micro_batches, prompt_units, split_unit
 from hotswap.rollout.trajectory import RolloutBatch, Trajectory
 
 
@@ -265,6 +265,21 @@ def test_packing_keeps_groups_whole_and_splits_only_what_is_too_large(model_path
     assert micro_batches(units, 16) == [units]
 
 
+def test_a_group_of_long_responses_is_split_where_attention_would_cost_more() -> None:
+    """Responses join their group's packed sequence until its quadratic attention would cost
+    more than computing the prompt again."""
+    def group(prompt: int, responses: list[int]) -> RolloutBatch:
+        trajs = [Trajectory(prompt_ids=[5] * prompt, response_ids=[7] * n, loss_mask=[1] * n,
+                            logprobs=[0.0] * n, versions=["0"] * n) for n in responses]
+        return RolloutBatch.from_trajectories(trajs, [0.0] * len(trajs))
+
+    rows = list(range(6))
+    assert split_unit(group(45, [16] * 6), rows, width=3456) == [rows]  # the demo: one sequence
+    assert split_unit(group(45, [1024] * 6), rows, width=3456) == [[i] for i in rows]
+    assert split_unit(group(45, [257] * 6), rows, width=3456) == [[0, 1], [2, 3], [4, 5]]
+    assert split_unit(group(2000, [257] * 6), rows, width=3456) == [rows]  # long shared prompt
+
+
 def compare_steps(trainer: Trainer, batch: RolloutBatch) -> None:
     want = padded_step(trainer, batch)
     ref = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -279,13 +294,19 @@ def compare_steps(trainer: Trainer, batch: RolloutBatch) -> None:
     assert trainer.tis is not None or 0 < want["train/clip_fraction"] < 1  # TIS: ratio 1
 
 
-@pytest.mark.parametrize("micro_batch,tis", [(16, None), (4, None), (3, ("token", 2.0)),
-                                             (16, ("sequence", 1.5))])
-def test_the_packed_step_gives_the_padded_steps_gradients(model_path, micro_batch, tis) -> None:
+@pytest.mark.parametrize("micro_batch,tis,width", [
+    (16, None, None), (4, None, None), (3, ("token", 2.0), None), (16, ("sequence", 1.5), None),
+    (16, None, 12)])  # width 12: groups split into several packed sequences
+def test_the_packed_step_gives_the_padded_steps_gradients(model_path, micro_batch, tis,
+                                                          width) -> None:
     """Same batch, fp32: the packed step's gradients and metrics are the padded ones."""
     mode, cap = tis or ("token", None)
     trainer = Trainer(model_path, lr=0.0, clip=0.2, temperature=0.9, micro_batch=micro_batch,
                       dtype="float32", pad_id=2, tis=cap, tis_mode=mode)
+    if width is not None:
+        trainer.pack_width = width
+        batch = grpo_batch(trainer.model, seed=1)
+        assert len(trainer.units(batch)) > len(prompt_units(batch))
     compare_steps(trainer, grpo_batch(trainer.model, seed=1))
 
 
