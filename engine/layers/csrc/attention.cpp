@@ -220,8 +220,106 @@ void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* sl
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// s[0:len] -> exp(s - max(s)) in place; returns their sum.
+inline float exp_weights8(float* s, int64_t len) {
+  const int64_t full = len / 8 * 8;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  float mx = reduce_max8(m);
+  for (int64_t j = full; j < len; ++j) mx = std::max(mx, s[j]);
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 w = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, w);
+    sum = _mm256_add_ps(sum, w);
+  }
+  float total = reduce_add8(sum);
+  for (int64_t j = full; j < len; ++j) total += s[j] = fast_exp(s[j] - mx);
+  return total;
+}
+
+// scale * (q . k[r]) for four key rows, q widened to float32.
+template <int64_t D, typename T>
+inline __m128 key_scores4(const float* q, const T* const* k, float scale) {
+  __m256 s[4];
+  for (int64_t r = 0; r < 4; ++r) {
+    s[r] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k[r]));
+    for (int64_t c = 8; c < D; c += 8)
+      s[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(k[r] + c), s[r]);
+  }
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  return _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                    _mm_set1_ps(scale));
+}
+
+// out[g] = (sum_j w[g, j] * v_j) / sums[g] for G query heads, each value row read once for all
+// of them (weigh_values with 8 lanes).
+template <int64_t D, int64_t G, typename T>
+inline void weigh_values8(const float* w, int64_t len, const T* v_buf, const int64_t* slots,
+                          int64_t hkv, int64_t h, const float* sums, T* out) {
+  constexpr int64_t C = D / 8;
+  __m256 acc[G][C];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + KEYS_AHEAD < len) prefetch_head(v_buf, slots[j + KEYS_AHEAD], hkv, h, D);
+    const T* v = v_buf + (slots[j] * hkv + h) * D;
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 vf = load8(v + 8 * c);
+      for (int64_t g = 0; g < G; ++g)
+        acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[g * len + j]), vf, acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+    for (int64_t c = 0; c < C; ++c) store8(out + g * D + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+  }
+}
+
+// AVX2 with FMA (AVX-512's attend_avx512 with 8 lanes) for head sizes 64 and 128: every head's
+// scores from each key loaded once, a vectorised softmax, the values weighed for up to two
+// heads (D 64) or one (D 128) at a time, so the accumulators stay in the 16 registers.
+template <int64_t D, typename T>
+void attend_avx2(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
+                 int64_t h, int64_t hkv, int64_t group, int64_t, float scale, T* out, float* qf,
+                 float*, float* scores, float*) {
+  for (int64_t g = 0; g < group; ++g) load_row(q + g * D, qf + g * D, D);
+  for (int64_t j = 0; j < len; j += 4) {
+    for (int64_t r = j + KEYS_AHEAD; r < std::min(j + KEYS_AHEAD + 4, len); ++r)
+      prefetch_head(k_buf, slots[r], hkv, h, D);
+    const T* k[4];  // the last call of a row repeats its last key where fewer are left
+    for (int64_t r = 0; r < 4; ++r) k[r] = k_buf + (slots[std::min(j + r, len - 1)] * hkv + h) * D;
+    const int64_t keep = std::min<int64_t>(4, len - j);
+    for (int64_t g = 0; g < group; ++g) {
+      alignas(16) float four[4];
+      _mm_store_ps(four, key_scores4<D>(qf + g * D, k, scale));
+      std::copy(four, four + keep, scores + g * len + j);
+    }
+  }
+  constexpr int64_t GMAX = 128 / D;
+  float sums[GMAX];
+  for (int64_t g0 = 0; g0 < group; g0 += GMAX) {
+    const int64_t gc = std::min(GMAX, group - g0);
+    for (int64_t g = 0; g < gc; ++g) sums[g] = exp_weights8(scores + (g0 + g) * len, len);
+    if constexpr (GMAX == 2) {
+      if (gc == 2) {
+        weigh_values8<D, 2>(scores + g0 * len, len, v_buf, slots, hkv, h, sums, out + g0 * D);
+        continue;
+      }
+    }
+    weigh_values8<D, 1>(scores + g0 * len, len, v_buf, slots, hkv, h, sums, out + g0 * D);
+  }
+}
+#endif
+
 template <typename T>
 AttendFn<T> attend_for(int64_t d) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (d == 64) return attend_avx2<64, T>;
+  if (d == 128) return attend_avx2<128, T>;
+#endif
 #if defined(__AVX512F__)
 #if !defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, float>)
