@@ -15,11 +15,11 @@ max_new_tokens without a call), "max_turns" (it still called tools after max_tur
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from hotswap.engine.parsers import ToolParser, tool_parser
 from hotswap.rollout.client import Completion, TokenClient
 from hotswap.rollout.trajectory import Trajectory
 
@@ -28,16 +28,17 @@ _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 _MARK = "\u2063MARK\u2063"
 
 
-def hermes_tool_calls(text: str) -> list[ToolCall]:
-    """Calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen)."""
-    calls: list[ToolCall] = []
-    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
-        try:
-            call = json.loads(body)
-            calls.append((str(call["name"]), call.get("arguments", {})))
-        except (ValueError, KeyError, TypeError) as exc:
-            calls.append(("", f"could not parse tool call {body.strip()!r}: {exc}"))
-    return calls
+def calls_from(parser: ToolParser) -> Callable[[str], list[ToolCall]]:
+    """ToolLoop's reading of a turn through a shared parser (hotswap.engine.parsers): each call
+    as (name, arguments), then each span that did not parse as ("", the error)."""
+    def parse(text: str) -> list[ToolCall]:
+        got = parser.parse(text)
+        return ([(c.name, json.loads(c.arguments)) for c in got.tool_calls]
+                + [("", f"could not parse tool call {e.text!r}: {e.reason}") for e in got.errors])
+    return parse
+
+
+hermes_tool_calls = calls_from(tool_parser("hermes"))
 
 
 class TemplateDeltas:
@@ -88,15 +89,18 @@ class TemplateDeltas:
 class ToolLoop:
     def __init__(self, tools: dict[str, Callable[..., Any]], max_turns: int = 8,
                  max_tokens: int = 2048, tool_timeout_s: float = 10.0,
-                 parse: Callable[[str], list[ToolCall]] = hermes_tool_calls,
+                 parse: str | Callable[[str], list[ToolCall]] = "hermes",
                  tool_role: str = "tool", **sampling: Any):
         """tools: name -> fn(**arguments) (or fn(arguments) when the arguments are not a dict);
         its return value (str(), or JSON for dicts/lists) is the tool message. max_tokens: the
-        response budget, tool tokens included. sampling: per-turn params (max_new_tokens ...)."""
+        response budget, tool tokens included. parse: a parser of hotswap.engine.parsers by name
+        (hermes, qwen, llama3, mistral) or a function of the turn's text. sampling: per-turn
+        params (max_new_tokens ...)."""
         if max_turns < 1 or max_tokens < 1:
             raise ValueError("max_turns and max_tokens must be >= 1")
         self.tools, self.max_turns, self.max_tokens = dict(tools), max_turns, max_tokens
-        self.tool_timeout_s, self.parse, self.tool_role = tool_timeout_s, parse, tool_role
+        self.tool_timeout_s, self.tool_role = tool_timeout_s, tool_role
+        self.parse = calls_from(tool_parser(parse)) if isinstance(parse, str) else parse
         self.sampling = sampling
         self._deltas: dict[int, TemplateDeltas] = {}
 
@@ -157,6 +161,8 @@ class ToolLoop:
         if turn + 1 >= self.max_turns:
             traj.finish_reason = "max_turns"
             return False
+        traj.parse_errors += sum(1 for name, _ in calls if not name)
+        traj.tool_calls += sum(1 for name, _ in calls if name)
         results = [{"role": self.tool_role, "content": self.run_tool(name, args)}
                    for name, args in calls]
         tool_ids = deltas.messages(results)

@@ -102,3 +102,14 @@ def _turn_outputs(traj):
 
 def _find_all(seq, sub):
     return [i for i in range(len(seq) - len(sub) + 1) if seq[i: i + len(sub)] == sub]
+
+
+def test_the_loop_takes_any_shared_parser_by_name():
+    """ToolLoop reads turns with hotswap.engine.parsers; a name picks the format."""
+    mistral = ToolLoop({}, parse="mistral").parse
+    assert mistral('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}, "id": "abcDEF123"}]') == [
+        ("f", {"a": 1})]
+    llama3 = ToolLoop({}, parse="llama3").parse
+    assert llama3('<|python_tag|>{"name": "g", "parameters": {"s": "}"}}') == [("g", {"s": "}"})]
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        ToolLoop({}, parse="nope")
