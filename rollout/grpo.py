@@ -18,6 +18,9 @@ weights the loss by truncated importance sampling (rollout/importance.py): the P
 against the trainer's own logprobs and each token weighted by min(pi_trainer / pi_rollout, C).
 `--routing-replay` (MoE models, e.g. the folder examples/make_tiny_moe.py writes): the engine
 returns every token's experts and the trainer's forward routes to them (rollout/routing_replay.py).
+`--task tools` (rollout/tasks.py): multi-digit arithmetic with a `calculator` tool called in the
+Hermes format, multi-turn through ToolLoop (tool results in context with loss mask 0); reward 1
+when the final answer holds the exact number, else --format-reward for a well-formed call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
 import secrets
 import subprocess
 import sys
@@ -38,12 +40,12 @@ from typing import Any
 import torch
 
 from hotswap.rollout.advantages import nonzero_std
-from hotswap.rollout.agent_loops import SingleTurn
 from hotswap.rollout.client import TokenClient
 from hotswap.rollout.collect import collect
 from hotswap.rollout.importance import MODES
-from hotswap.rollout.rewards import exact_match
-from hotswap.rollout.tracking import Tracker, batch_metrics
+from hotswap.rollout.tasks import TASKS, Task, make_task, tool_score
+from hotswap.rollout.tasks import addition_rows as addition_rows  # examples and bench use it
+from hotswap.rollout.tracking import Tracker, batch_metrics, tool_metrics
 from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
 from hotswap.weight_sync.group import free_port
@@ -62,13 +64,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are filtered out and replaced")
     p.add_argument("--filter", choices=["nonzero_std", "none"], default="nonzero_std",
                    help="which groups a batch keeps (nonzero_std: rewards that differ)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--task", choices=TASKS, default="addition",
+                   help="addition: single-digit sums, one turn; tools: multi-digit arithmetic "
+                        "with a calculator tool, multi-turn (ToolLoop)")
+    p.add_argument("--max-turns", type=int, default=3,
+                   help="--task tools: assistant turns per trajectory")
+    p.add_argument("--format-reward", type=float, default=0.1,
+                   help="--task tools: the reward of a wrong final answer from a trajectory "
+                        "with at least one well-formed tool call and no malformed one (a right "
+                        "answer scores 1; 0 turns the shaping off)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per turn (default 16 for addition, 48 for tools)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon")
     p.add_argument("--micro-batch", type=int, default=64,
                    help="sequences per forward/backward, packed with their group's prompt "
                         "(rollout/trainer.py); the default takes the demo's batch in one")
+    p.add_argument("--micro-positions", type=int, default=4096,
+                   help="at most this many packed positions per forward/backward (bounds the "
+                        "trainer's memory: ~1.2 MB a position for SmolLM2 in fp32)")
     p.add_argument("--transport", choices=["tensor", "gloo"], default="tensor",
                    help="tensor: engine in this process, update_weights_from_tensor; gloo: "
                         "engine server in its own process, WeightSender over a gloo group")
@@ -104,23 +119,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MoE models: the engine returns every token's experts and the "
                         "trainer's forward routes to them (rollout/routing_replay.py)")
     args = p.parse_args(argv)
-    if min(args.steps, args.prompts, args.group_size, args.max_new_tokens, args.replicas) < 1:
-        raise SystemExit("--steps, --prompts, --group-size, --max-new-tokens and --replicas "
-                         "must be >= 1")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48 if args.task == "tools" else 16
+    if min(args.steps, args.prompts, args.group_size, args.max_new_tokens, args.replicas,
+           args.max_turns) < 1:
+        raise SystemExit("--steps, --prompts, --group-size, --max-new-tokens, --replicas and "
+                         "--max-turns must be >= 1")
     if args.tis is not None and not args.tis > 1:
         raise SystemExit("--tis C needs C > 1")
     return args
-
-
-def addition_rows(count: int, seed: int) -> list[dict]:
-    """Single-digit additions: the answer is checked exactly (the last number in the reply)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(count):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        question = f"What is {a} + {b}? Reply with just the number."
-        rows.append({"messages": [{"role": "user", "content": question}], "answer": a + b})
-    return rows
 
 
 @dataclass
@@ -287,16 +294,16 @@ def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
         handle.close()
 
 
-def batches(args: argparse.Namespace, client: TokenClient, reward: Any
+def batches(args: argparse.Namespace, client: TokenClient, task: Task, reward: Any
             ) -> Iterator[RolloutBatch]:
     """Synchronous batches: each one sampled from the current weights after the last push."""
     rows_per_batch = args.prompts + args.over_sample * 3
     for step in range(args.steps):
-        rows = addition_rows(rows_per_batch, seed=args.seed * 100_003 + step)
-        batch = collect(client, SingleTurn(), rows, group_size=args.group_size, reward=reward,
+        rows = task.rows(rows_per_batch, seed=args.seed * 100_003 + step)
+        batch = collect(client, task.loop, rows, group_size=args.group_size, reward=reward,
                         filter=group_filter(args), target_groups=args.prompts,
                         over_sample=args.over_sample, seed=args.seed + step)
-        batch.meta["client_stats"] = _take_stats(client)
+        _take_stats(client, reward, batch)
         yield batch
 
 
@@ -304,11 +311,14 @@ def group_filter(args: argparse.Namespace) -> Any:
     return nonzero_std() if args.filter == "nonzero_std" else None
 
 
-def _take_stats(client: TokenClient) -> dict[str, int]:
-    stats = dict(client.stats)
+def _take_stats(client: TokenClient, reward: Any, batch: RolloutBatch) -> None:
+    """The client's counters and, from a reward that tallies them (the tools task), every
+    scored trajectory's tool figures since the last batch, into batch.meta."""
+    batch.meta["client_stats"] = dict(client.stats)
     for k in client.stats:
         client.stats[k] = 0
-    return stats
+    if hasattr(reward, "take"):
+        batch.meta["tool_scores"] = reward.take()
 
 
 def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
@@ -323,8 +333,8 @@ def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
 
 
 def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
-    """Train; returns the per-step metrics and the wandb run folder. reward: default exact match
-    of the addition's answer."""
+    """Train; returns the per-step metrics and the wandb run folder. reward: default the task's
+    (exact match of the addition's answer; the tools task's ToolReward)."""
     from hotswap.engine.models.fetch import ensure_model
 
     torch.manual_seed(args.seed)
@@ -337,19 +347,21 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
             routed_experts=args.routing_replay)
         trainer = Trainer(path, args.lr, args.clip, args.temperature, args.micro_batch,
                           args.dtype, pad_id=client.tokenizer.pad_token_id or 0, tis=args.tis,
-                          tis_mode=args.tis_mode)
+                          tis_mode=args.tis_mode, micro_positions=args.micro_positions)
         tracker = Tracker(project=args.wandb_project, dir=args.wandb_dir, config=vars(args),
                           total_steps=args.steps, console=not args.quiet)
         fleet = (f", {args.replicas} Ray replicas" if args.fleet == "ray" else "")
         fleet += f", {args.quantization} rollouts" if args.quantization else ""
         fleet += f", TIS C={args.tis:g} ({args.tis_mode})" if args.tis is not None else ""
         fleet += ", routing replay" if args.routing_replay else ""
+        fleet += f", tools task (<= {args.max_turns} turns)" if args.task == "tools" else ""
         print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}{fleet}"
               f"{', async' if args.async_mode else ''}, {args.prompts} groups x "
               f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}",
               flush=True)
-        reward = reward or exact_match()
-        source = (async_batches if args.async_mode else batches)(args, client, reward)
+        task = make_task(args.task, args.max_new_tokens, args.max_turns, args.format_reward)
+        reward = reward or task.reward
+        source = (async_batches if args.async_mode else batches)(args, client, task, reward)
         replicas: dict[int, dict] = {}
         for step, batch in enumerate(source):
             metrics = train_and_push(args, step, batch, trainer, handle, client)
@@ -377,6 +389,10 @@ def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, tra
                    handle: EngineHandle, client: TokenClient) -> dict[str, Any]:
     version = int(client.weight_version())
     metrics: dict[str, Any] = {"weight_version": version, **batch_metrics(batch, version)}
+    if args.task == "tools":
+        scores = batch.meta.get("tool_scores")  # every sampled trajectory, kept or filtered
+        metrics.update(tool_metrics(scores if scores is not None else
+                                    [tool_score(t) for t in batch.trajectories]))
     metrics["time/rollout_s"] = batch.meta.get("wait_s", batch.meta.get("seconds", math.nan))
     start = time.perf_counter()
     if len(batch):  # every group filtered out and no rows left: nothing to learn from
@@ -394,12 +410,12 @@ def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, tra
     return metrics
 
 
-def async_batches(args: argparse.Namespace, client: TokenClient, reward: Any
+def async_batches(args: argparse.Namespace, client: TokenClient, task: Task, reward: Any
                   ) -> Iterator[RolloutBatch]:
     from hotswap.rollout.async_rollout import AsyncRollout
 
-    rows = addition_rows(args.prompts * (args.steps + 4) * 2, seed=args.seed)
-    runner = AsyncRollout(client, SingleTurn(), rows, group_size=args.group_size,
+    rows = task.rows(args.prompts * (args.steps + 4) * 2, seed=args.seed)
+    runner = AsyncRollout(client, task.loop, rows, group_size=args.group_size,
                           batch_groups=args.prompts, reward=reward, filter=group_filter(args),
                           max_staleness=args.max_staleness, seed=args.seed)
     runner.start()
@@ -408,7 +424,7 @@ def async_batches(args: argparse.Namespace, client: TokenClient, reward: Any
             start = time.perf_counter()
             batch = runner.get_batch()
             batch.meta["wait_s"] = time.perf_counter() - start
-            batch.meta["client_stats"] = _take_stats(client)
+            _take_stats(client, reward, batch)
             yield batch
     finally:
         runner.stop()

@@ -18,6 +18,8 @@ from hotswap.rollout.trajectory import RolloutBatch
 COLUMNS = [
     ("step", "step", 4, ".0f"), ("weight_version", "version", 7, ""),
     ("reward/sampled_mean", "reward", 6, ".3f"), ("reward/mean", "kept r", 6, ".3f"),
+    ("tools/correct", "right", 5, ".2f"), ("tools/call_rate", "calls", 5, ".2f"),
+    ("tools/parse_fail_rate", "bad call", 8, ".2f"), ("tools/turns", "turns", 5, ".2f"),
     ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
     ("rollout/cache_hit_rate", "cache", 5, ".2f"), ("staleness/version_lag_max", "lag", 3, ".0f"),
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
@@ -129,3 +131,17 @@ def batch_metrics(batch: RolloutBatch, engine_version: int | None = None) -> dic
         out["rollout/tokens_per_s"] = sum(len(r) for r in batch.response_ids) / batch.meta[
             "seconds"]
     return out
+
+
+def tool_metrics(scores: list[dict[str, float]]) -> dict[str, float]:
+    """Agent figures over trajectories' tool scores ({"tool_calls", "parse_errors", "turns",
+    "correct"} each): the share with at least one parsed call, failed / attempted calls (NaN
+    when none was attempted), turns per trajectory, the share answered right."""
+    n = max(1, len(scores))
+    parsed = sum(s["tool_calls"] for s in scores)
+    failed = sum(s["parse_errors"] for s in scores)
+    return {"tools/call_rate": sum(s["tool_calls"] > 0 for s in scores) / n,
+            "tools/parse_fail_rate": failed / (parsed + failed) if parsed + failed else math.nan,
+            "tools/turns": sum(s["turns"] for s in scores) / n,
+            "tools/correct": sum(s["correct"] for s in scores) / n,
+            "tools/trajectories": float(len(scores))}

@@ -17,6 +17,7 @@ that this replaced.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -67,17 +68,30 @@ def split_unit(batch: RolloutBatch, unit: list[int], width: float) -> list[list[
     return [unit[lo: lo + size] for lo in range(0, len(unit), size)]
 
 
-def micro_batches(units: list[list[int]], size: int) -> list[list[list[int]]]:
-    """Units into micro-batches of at most `size` rows; a unit larger than `size` is split."""
+def unit_length(batch: RolloutBatch, unit: list[int]) -> int:
+    """The packed sequence's length: the prompt, then each response but its last token."""
+    return len(batch.prompt_ids[unit[0]]) + sum(max(len(batch.response_ids[i]) - 1, 0)
+                                                for i in unit)
+
+
+def micro_batches(units: list[list[int]], size: int,
+                  length: Callable[[list[int]], int] | None = None,
+                  positions: int = 0) -> list[list[list[int]]]:
+    """Units into micro-batches of at most `size` rows; a unit larger than `size` is split.
+    With `length` and `positions`, also at most that many padded positions (units x the
+    longest), which bounds the activations a backward keeps; a longer unit goes alone."""
     chunks = [unit[lo: lo + size] for unit in units for lo in range(0, len(unit), size)]
     out: list[list[list[int]]] = []
-    count = 0
+    count = longest = 0
     for chunk in chunks:
-        if not out or count + len(chunk) > size:
+        n = length(chunk) if length is not None and positions else 0
+        if (not out or count + len(chunk) > size
+                or (len(out[-1]) + 1) * max(longest, n) > positions > 0):
             out.append([])
-            count = 0
+            count = longest = 0
         out[-1].append(chunk)
         count += len(chunk)
+        longest = max(longest, n)
     return out
 
 
@@ -202,7 +216,7 @@ class Trainer:
 
     def __init__(self, path: str, lr: float, clip: float, temperature: float,
                  micro_batch: int, dtype: str, pad_id: int, tis: float | None = None,
-                 tis_mode: str = "token"):
+                 tis_mode: str = "token", micro_positions: int = 4096):
         import transformers
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
@@ -214,6 +228,8 @@ class Trainer:
                                        fused=True)
         self.clip, self.temperature = clip, temperature
         self.micro_batch, self.pad_id = micro_batch, pad_id
+        # a backward keeps ~1.2 MB of activations per position for SmolLM2 in fp32: bound them
+        self.micro_positions = micro_positions
         self.tis, self.tis_mode = tis, tis_mode
         # split_unit's attention cost: a dense-mask position costs as much as the layers' matmuls
         # at L ~ 4.5 x hidden size (fitted on SmolLM2's forward and backward on CPU)
@@ -244,7 +260,8 @@ class Trainer:
         self.optim.zero_grad()
         sums = {"abs_diff": 0.0, "kl": 0.0, "clipped": 0.0, "loss": 0.0, "truncated": 0.0}
         routes: dict[str, int] = {}
-        for units in micro_batches(self.units(batch), self.micro_batch):
+        for units in micro_batches(self.units(batch), self.micro_batch,
+                                   lambda unit: unit_length(batch, unit), self.micro_positions):
             index = torch.tensor([i for unit in units for i in unit])
             part = {k: v[index] for k, v in t.items()}
             mask, behavior = part["loss_mask"], part["behavior_logprobs"]

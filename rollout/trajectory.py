@@ -37,6 +37,8 @@ class Trajectory:
     group_id: int = 0
     sample_idx: int = 0
     num_turns: int = 1
+    tool_calls: int = 0  # multi-turn loops: calls parsed and run
+    parse_errors: int = 0  # calls that did not parse (the model got an error message)
     row: dict[str, Any] = field(default_factory=dict)
     text: str = ""  # the decoded response (the model's final answer for rewards to read)
     messages: list[dict[str, Any]] = field(default_factory=list)  # multi-turn loops: the chat

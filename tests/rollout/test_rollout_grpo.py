@@ -17,7 +17,7 @@ from fixtures import write_moe, write_tiny_chat_model
 from hotswap.rollout.grpo import parse_args, run
 from hotswap.rollout.importance import importance_weights
 from hotswap.rollout.routing_replay import moe_routers, record_routes, replay_routes
-from hotswap.rollout.trainer import Trainer, micro_batches, prompt_units, split_unit
+from hotswap.rollout.trainer import Trainer, micro_batches, prompt_units, split_unit, unit_length
 from hotswap.rollout.trajectory import RolloutBatch, Trajectory
 
 
@@ -263,6 +263,10 @@ def test_packing_keeps_groups_whole_and_splits_only_what_is_too_large(model_path
     assert micro_batches(units, 4) == [[units[0][:4]], [units[0][4:]], [units[1][:4]],
                                        [units[1][4:], units[2]], [units[3]]]
     assert micro_batches(units, 16) == [units]
+    budget = 2 * max(unit_length(batch, u) for u in units)
+    parts = micro_batches(units, 16, lambda u: unit_length(batch, u), budget)
+    assert [u for part in parts for u in part] == units and len(parts) > 1
+    assert all(len(part) * max(unit_length(batch, u) for u in part) <= budget for part in parts)
 
 
 def test_a_group_of_long_responses_is_split_where_attention_would_cost_more() -> None:
@@ -294,17 +298,19 @@ def compare_steps(trainer: Trainer, batch: RolloutBatch) -> None:
     assert trainer.tis is not None or 0 < want["train/clip_fraction"] < 1  # TIS: ratio 1
 
 
-@pytest.mark.parametrize("micro_batch,tis,width", [
+@pytest.mark.parametrize("micro_batch,tis,layout", [
     (16, None, None), (4, None, None), (3, ("token", 2.0), None), (16, ("sequence", 1.5), None),
-    (16, None, 12)])  # width 12: groups split into several packed sequences
+    (16, None, "split"), (16, None, "alone")])
 def test_the_packed_step_gives_the_padded_steps_gradients(model_path, micro_batch, tis,
-                                                          width) -> None:
-    """Same batch, fp32: the packed step's gradients and metrics are the padded ones."""
+                                                          layout) -> None:
+    """Same batch, fp32: the packed step's gradients and metrics are the padded ones, also with
+    groups split into several packed sequences, and with every sequence its own micro-batch."""
     mode, cap = tis or ("token", None)
     trainer = Trainer(model_path, lr=0.0, clip=0.2, temperature=0.9, micro_batch=micro_batch,
-                      dtype="float32", pad_id=2, tis=cap, tis_mode=mode)
-    if width is not None:
-        trainer.pack_width = width
+                      dtype="float32", pad_id=2, tis=cap, tis_mode=mode,
+                      micro_positions=1 if layout == "alone" else 4096)
+    if layout == "split":
+        trainer.pack_width = 12
         batch = grpo_batch(trainer.model, seed=1)
         assert len(trainer.units(batch)) > len(prompt_units(batch))
     compare_steps(trainer, grpo_batch(trainer.model, seed=1))
@@ -322,3 +328,139 @@ def test_the_packed_step_under_routing_replay(tmp_path, arch) -> None:
             router.weight.add_(torch.randn_like(router.weight) * 0.05)
     compare_steps(trainer, batch)
     assert trainer.step(batch)["mismatch/routes_differ"] > 0
+
+
+def test_the_calculator_evaluates_arithmetic_and_refuses_anything_else():
+    from hotswap.rollout.tasks import calculator
+
+    assert calculator("4821 * 397") == "1913937"
+    assert calculator(" (12 + 30) * -4 / 8 ") == "-21"
+    assert calculator("7 / 2") == "3.5" and calculator("0.1 + 0.2") == "0.3"
+    assert calculator("123456789 * 987654321") == str(123456789 * 987654321)  # exact
+    for bad in ("__import__('os').system('true')", "2 ** 10", "x + 1", "1; 2", "[1, 2]",
+                "abs(-3)", "True + 1", "'1' + '2'", "1 if 1 else 2", "1 // 2", "5 % 3", "1e400",
+                "1 / 0", "(" * 300 + "1" + ")" * 300, "", "1 +"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def tool_traj(reply: str, answer: int, calls: int = 1, errors: int = 0,
+              finish: str = "stop") -> Trajectory:
+    """A trajectory of the tools task: `calls` calculator calls (and `errors` malformed ones),
+    their results, then `reply` as the final turn."""
+    from hotswap.rollout.tasks import tool_rows
+
+    row = {**tool_rows(1, 0)[0], "answer": answer}
+    messages = list(row["messages"])
+    for _ in range(calls):
+        messages += [{"role": "assistant", "content": '<tool_call>{"name": "calculator", '
+                      '"arguments": {"expression": "2 * 3"}}</tool_call>'},
+                     {"role": "tool", "content": "6"}]
+    for _ in range(errors):
+        messages += [{"role": "assistant", "content": "<tool_call>{oops</tool_call>"},
+                     {"role": "tool", "content": "Error: could not parse"}]
+    messages.append({"role": "assistant", "content": reply})
+    return Trajectory(prompt_ids=[1], row=row, text=reply, finish_reason=finish,
+                      num_turns=calls + errors + 1, messages=messages, tool_calls=calls,
+                      parse_errors=errors)
+
+
+def test_the_tools_reward_checks_the_final_answer_exactly():
+    from hotswap.rollout.tasks import ToolReward, answer_in
+
+    reward = ToolReward(format_reward=0.1)
+    assert reward(tool_traj("2 * 3 = 1913937", 1913937))["reward"] == 1.0
+    assert reward(tool_traj("The sum is 1,913,937.", 1913937))["reward"] == 1.0
+    assert reward(tool_traj("1913937", 1913937, calls=0))["reward"] == 1.0  # right is right
+    assert reward(tool_traj("It is 191393", 1913937))["reward"] == 0.1  # a call, wrong answer
+    assert reward(tool_traj("It is 191393", 1913937, errors=1))["reward"] == 0.0  # malformed
+    assert reward(tool_traj("It is 191393", 1913937, calls=0))["reward"] == 0.0
+    assert reward(tool_traj("1913937", 1913937, finish="length"))["reward"] == 0.1  # cut off
+    assert ToolReward()(tool_traj("no", 1913937))["reward"] == 0.0  # format reward off
+    assert not answer_in("x 21913937 and 1913937.5", 1913937)  # a number, not a substring
+    assert not answer_in('<tool_call>{"expression": "1913937"}</tool_call>', 1913937)
+    assert answer_in("-42 is it", -42)
+    scores = reward.take()
+    assert len(scores) == 7 and reward.take() == []
+    assert [s["correct"] for s in scores[:3]] == [1.0, 1.0, 1.0]
+
+
+def test_tool_metrics():
+    from hotswap.rollout.tasks import tool_score
+    from hotswap.rollout.tracking import tool_metrics
+
+    trajs = [tool_traj("6", 6), tool_traj("6", 6, calls=2, errors=1), tool_traj("7", 6, 0)]
+    m = tool_metrics([tool_score(t) for t in trajs])
+    assert m["tools/call_rate"] == pytest.approx(2 / 3)
+    assert m["tools/parse_fail_rate"] == pytest.approx(1 / 4)
+    assert m["tools/turns"] == pytest.approx((2 + 4 + 1) / 3)
+    assert m["tools/correct"] == pytest.approx(2 / 3)
+    assert math.isnan(tool_metrics([tool_score(trajs[2])])["tools/parse_fail_rate"])
+
+
+def every_other_turn_calls(text: str):
+    """A random model writes no tool calls: this parser sees a calculator call in every turn
+    of even length, a malformed one in some others."""
+    if len(text) % 2 == 0:
+        return [("calculator", {"expression": "(2 + 4) * 7"})]
+    return [("", "could not parse tool call")] if len(text) % 3 == 0 else []
+
+
+@pytest.fixture(scope="module")
+def long_model_path(tmp_path_factory) -> str:
+    """The tiny chat model with room for the tools task's prompt (its tokenizer is byte-level)."""
+    return write_tiny_chat_model(str(tmp_path_factory.mktemp("grpo-tools")),
+                                 max_position_embeddings=2048)
+
+
+def test_the_tools_task_runs_the_calculator_in_context_masked(long_model_path, monkeypatch):
+    """Tool results enter the sequence as template tokens with loss mask 0, and are the
+    calculator's."""
+    from hotswap.engine import Engine
+    from hotswap.rollout import TokenClient, tasks
+
+    monkeypatch.setattr(tasks, "hermes_tool_calls", every_other_turn_calls)
+    task = tasks.make_task("tools", max_new_tokens=6, max_turns=3)
+    with Engine(long_model_path, dtype="float32", max_total_tokens=16384) as engine:
+        client = TokenClient(engine, sampling={"temperature": 1.0, "max_new_tokens": 6})
+        trajs = task.loop.run_group(client, task.rows(1, 0)[0], 8, group_id=0, seed=3)
+    tool_ids = task.loop.deltas(client.tokenizer).messages([{"role": "tool", "content": "42"}])
+    called = [t for t in trajs if t.tool_calls]
+    assert called  # the parser above makes some turns call
+    for traj in trajs:
+        traj.check()
+        results = [m["content"] for m in traj.messages[len(traj.row["messages"]):]
+                   if m["role"] == "tool"]
+        assert results.count("42") == traj.tool_calls
+        assert sum(r.startswith("Error") for r in results) == traj.parse_errors
+        ids = traj.response_ids
+        hits = [i for i in range(len(ids)) if ids[i: i + len(tool_ids)] == tool_ids]
+        assert len(hits) == results.count("42")
+        for i in hits:
+            assert traj.loss_mask[i: i + len(tool_ids)] == [0] * len(tool_ids)
+        assert traj.num_turns == 1 + len(results)
+
+
+def test_the_tools_task_logs_its_agent_columns(long_model_path, tmp_path, monkeypatch, capsys):
+    from hotswap.rollout import tasks
+
+    monkeypatch.setattr(tasks, "hermes_tool_calls", every_other_turn_calls)
+    args = parse_args(["--model-path", long_model_path, "--task", "tools", "--steps", "2",
+                       "--prompts", "2", "--group-size", "4", "--over-sample", "0",
+                       "--max-new-tokens", "6", "--filter", "none", "--lr", "1e-3",
+                       "--wandb-dir", str(tmp_path)])
+    out = run(args)
+    history = out["history"]
+    assert [h["weight_version"] for h in history] == [0, 1]
+    for h in history:
+        assert h["tools/trajectories"] == 8 and h["batch/trajectories"] == 8
+        assert 0 < h["tools/call_rate"] <= 1  # the parser above makes some turns call
+        assert 0 <= h["tools/parse_fail_rate"] <= 1 and 0 <= h["tools/correct"] <= 1
+        assert 1 <= h["tools/turns"] <= 3
+        assert 0 <= h["reward/mean"] <= 1
+    rows = wandb_history(out["run_dir"])
+    for key in ("tools/call_rate", "tools/parse_fail_rate", "tools/turns", "tools/correct"):
+        assert all(key in r for r in rows), key
+    header = capsys.readouterr().out.splitlines()
+    assert any(all(c in line for c in ("right", "calls", "bad call", "turns"))
+               for line in header)
