@@ -28,6 +28,7 @@ from starlette.responses import Response
 
 from hotswap.engine.client.protocol import STAGING_MODES
 from hotswap.engine.errors import WeightsIncompleteError
+from hotswap.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 from hotswap.engine.server.control_api import control, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
@@ -153,7 +154,7 @@ async def completions(state: State, body: CompletionRequest, request: Request) -
 
 @inference.post("/v1/chat/completions")
 async def chat_completions(state: State, body: ChatCompletionRequest, request: Request) -> Response:
-    job = chat_job(body, state.model_name, state.engine.config.context_length)
+    job = chat_job(body, state.model_name, state.engine.config.context_length, state.chat)
     return await _serve_openai(state, request, job, body.stream)
 
 
@@ -211,11 +212,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               served_model_name: str | None = None) -> FastAPI:
+               served_model_name: str | None = None, tool_call_parser: str = "auto",
+               reasoning_parser: str = "auto") -> FastAPI:
     """The server's ASGI app around `engine` (an Engine; the caller owns its lifetime)."""
     app = FastAPI(title="hotswap", summary="Rollout engine with live weight updates")
     name = served_model_name or engine.config.model_path.rstrip("/").rsplit("/", 1)[-1]
-    app.state.hotswap = state = ServerState(engine, name)
+    app.state.hotswap = state = ServerState(engine, name, tool_call_parser, reasoning_parser)
     for router in ROUTERS:
         app.include_router(router)
     install_error_handlers(app)
@@ -241,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-key", default=None, help="Bearer key for control routes "
                    "(or set HOTSWAP_ADMIN_KEY)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "none", *sorted(TOOL_PARSERS)],
+                   help="how chat outputs' tool calls are read (auto: from the chat template's "
+                        "markup, hermes for a template without any)")
+    p.add_argument("--reasoning-parser", default="auto",
+                   choices=["auto", "none", *sorted(REASONING_PARSERS)],
+                   help="how chat outputs' reasoning is split off (auto: think when the chat "
+                        "template knows <think>, else none)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="info")
     e = p.add_argument_group("engine")
@@ -347,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     _log_exposure(args.host, api_key, admin_key)
     with Engine(**engine_kwargs(args)) as engine:
         app = create_app(engine, api_key, admin_key, args.max_body_bytes,
-                         args.served_model_name)
+                         args.served_model_name, args.tool_call_parser, args.reasoning_parser)
         logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

@@ -2,10 +2,17 @@
 
 A request becomes one engine call with one rid per prompt (`{id}-{i}`); the engine names the
 k-th of n samples `{id}-{i}-{k}`, which gives each output its OpenAI choice index i * n + k.
+
+Chat requests are rendered here (hotswap.engine.parsers.chat: tools, template arguments, the
+model's own tokens for turns generated here) and sent as input ids. Their outputs are read
+through the server's reasoning and tool-call parsers: whole for a response, incrementally for
+a stream (parsers.streaming). A call forced by `tool_choice` is constrained by a grammar
+(parsers.grammar), and so is a call under `auto` where the format opens calls with a tag.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -14,12 +21,19 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from hotswap.engine.parsers import ReasoningParser, ToolParser
+from hotswap.engine.parsers.chat import TurnMemory, render, turn_key
+from hotswap.engine.parsers.grammar import auto_calls_ebnf, forced_calls_ebnf
+from hotswap.engine.parsers.streaming import ReasoningStream, ToolStream
 from hotswap.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     ResponseFormat,
     SamplingFields,
 )
+
+logger = logging.getLogger("hotswap.server")
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token with zero probability
 
@@ -41,6 +55,8 @@ class Job:
     include_usage: bool
     engine_kwargs: dict[str, Any]
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolParser | None = None  # chat: the outputs' calls are read with it
+    reasoning: ReasoningParser | None = None  # chat: the outputs' reasoning is split with it
 
     @property
     def rids(self) -> list[str]:
@@ -77,20 +93,59 @@ def completion_job(req: CompletionRequest, model: str) -> Job:
                _include_usage(req), kwargs)
 
 
-def chat_job(req: ChatCompletionRequest, model: str, context_length: int) -> Job:
+@dataclass
+class ChatSetup:
+    """What the server reads chat with: its tokenizer, its parsers (None: off), the memory of
+    the assistant turns it generated."""
+
+    tokenizer: Any
+    tool_parser: ToolParser | None
+    reasoning_parser: ReasoningParser | None
+    memory: TurnMemory = field(default_factory=TurnMemory)
+
+
+def chat_job(req: ChatCompletionRequest, model: str, context_length: int,
+             chat: ChatSetup) -> Job:
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     # Unset: generate until eos or the context is full, as OpenAI does.
     params = sampling_params(req, context_length if max_tokens is None else max_tokens)
     _add_response_format(params, req.response_format)
-    messages = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
-    kwargs: dict[str, Any] = {"messages": messages, "sampling_params": params,
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice or ("auto" if tools else "none")
+    parser = chat.tool_parser
+    if tools and choice != "none" and parser is None:
+        raise ValueError("tools: this server has no tool-call parser (start it with "
+                         "--tool-call-parser)")
+    reads_calls = parser if tools and choice != "none" else None
+    if reads_calls is not None:
+        _add_tool_grammar(params, parser, tools, choice, req.parallel_tool_calls)
+    messages = [{**m.model_dump(exclude_none=True, exclude={"content"}),
+                 "content": None if m.content is None else _content_text(m.content)}
+                for m in req.messages]
+    ids = render(chat.tokenizer, messages, tools or None, parser, req.chat_template_kwargs,
+                 chat.memory)
+    kwargs: dict[str, Any] = {"input_ids": ids, "sampling_params": params,
                               "rid": f"{job_id}-0"}
     top = (req.top_logprobs or 0) if req.logprobs else None
     _add_logprobs(kwargs, top)
     _add_common(kwargs, req)
     return Job(job_id, "chat.completion", req.model or model, req.n, 1, top,
-               _include_usage(req), kwargs)
+               _include_usage(req), kwargs, tools=reads_calls,
+               reasoning=chat.reasoning_parser)
+
+
+def _add_tool_grammar(params: dict[str, Any], parser: ToolParser, tools: list[dict[str, Any]],
+                      choice: Any, parallel: bool) -> None:
+    """`required` and a named function: only calls; `auto`: calls that match their schemas
+    where the format's markup opens one (left free when a response_format is asked)."""
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t["function"]["name"] == choice.function.name]
+        params["ebnf"] = forced_calls_ebnf(parser, named, parallel=False)
+    elif choice == "required":
+        params["ebnf"] = forced_calls_ebnf(parser, tools, parallel)
+    elif "json_schema" not in params:
+        params["ebnf"] = auto_calls_ebnf(parser, tools, parallel)
 
 
 def _add_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -> None:
@@ -128,8 +183,9 @@ def finite(x: float) -> float:
 class Formatter:
     """Builds OpenAI response bodies and stream chunks from engine outputs."""
 
-    def __init__(self, decode_token: Callable[[int], str]):
+    def __init__(self, decode_token: Callable[[int], str], memory: TurnMemory | None = None):
         self.decode_token = decode_token
+        self.memory = memory  # where chat turns' token ids are kept for the next request
 
     def response(self, job: Job, outs: list[dict[str, Any]]) -> dict[str, Any]:
         by_id = {o["meta_info"]["id"]: o for o in outs}
@@ -142,12 +198,48 @@ class Formatter:
         choice: dict[str, Any] = {"index": index, **finish_fields(meta)}
         logprobs = self.logprobs(job, meta, out["output_ids"])
         if job.kind == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": out["text"]}
+            choice["message"] = message = self.message(job, out["text"])
+            if message.get("tool_calls") and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+            self.remember(message, out["output_ids"], meta)
         else:
             choice["text"] = out["text"]
         choice["logprobs"] = logprobs
         choice["weight_version"] = meta.get("weight_version")
         return choice
+
+    def message(self, job: Job, text: str) -> dict[str, Any]:
+        """The assistant message of a chat output: reasoning split off, calls read."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if job.reasoning is not None:
+            reasoning, text = job.reasoning.split(text)
+            message["content"] = text
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+        if job.tools is None:
+            return message
+        parsed = job.tools.parse(text)
+        for error in parsed.errors:
+            logger.warning("%s: a tool call did not parse (%s); returned as content: %r",
+                           job.id, error.reason, error.text[:200])
+        if parsed.tool_calls:
+            content = "\n".join(x for x in [parsed.content, *(e.text for e in parsed.errors)]
+                                if x)
+            message["content"] = content or None
+            message["tool_calls"] = [_call_entry(c.name, c.arguments)
+                                     for c in parsed.tool_calls]
+        return message
+
+    def remember(self, message: dict[str, Any], ids: list[int], meta: dict[str, Any]) -> None:
+        """Keep the turn's ids, so the next request that sends this turn back gets them."""
+        reason = meta["finish_reason"] or {}
+        if self.memory is None or isinstance(reason.get("matched"), str):
+            return  # a stop string cut the text short of the ids
+        if isinstance(reason.get("matched"), int) and ids and ids[-1] == reason["matched"]:
+            ids = ids[:-1]  # the template writes the turn's end itself
+        calls = [(c["function"]["name"], c["function"]["arguments"])
+                 for c in message.get("tool_calls", [])]
+        self.memory.remember(turn_key(message["content"], calls), ids)
 
     def logprobs(self, job: Job, meta: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
         if job.top_logprobs is None:
@@ -176,40 +268,113 @@ class Formatter:
             body["usage"] = usage_
         return body
 
-    def delta_choice(self, job: Job, index: int, event: dict[str, Any]) -> dict[str, Any] | None:
+    def delta_choice(self, job: Job, index: int, event: dict[str, Any],
+                     reader: ChatStream | None = None) -> dict[str, Any] | None:
         """The chunk choice for one engine stream event; None when it carries nothing."""
         meta = event["meta_info"]
-        if not event["text"] and meta["finish_reason"] is None and (
+        delta: dict[str, Any] = {}
+        if reader is not None:
+            delta = reader.feed(event["text"], event["output_ids"], meta)
+        elif job.kind == "chat.completion" and event["text"]:
+            delta = {"content": event["text"]}
+        finish = finish_fields(meta)
+        if reader is not None and reader.called and finish["finish_reason"] == "stop":
+            finish["finish_reason"] = "tool_calls"
+        carries = bool(delta) if job.kind == "chat.completion" else bool(event["text"])
+        if not carries and finish["finish_reason"] is None and (
                 job.top_logprobs is None or not event["output_ids"]):
             return None
         choice: dict[str, Any] = {"index": index}
         if job.kind == "chat.completion":
-            choice["delta"] = {"content": event["text"]} if event["text"] else {}
+            choice["delta"] = delta
         else:
             choice["text"] = event["text"]
         choice["logprobs"] = self.logprobs(job, meta, event["output_ids"])
-        choice.update(finish_fields(meta))
+        choice.update(finish)
         return choice
 
     async def stream(self, job: Job, events: AsyncIterator[dict[str, Any]]
                      ) -> AsyncIterator[dict[str, Any]]:
         """Chunks for an engine event stream; usage last when the client asked for it."""
         index = {rid: i for i, rid in enumerate(job.rids)}
+        readers: dict[str, ChatStream] = {}
         if job.kind == "chat.completion":
             yield self.chunk(job, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}
                                    for i in range(len(index))])
+            if job.tools is not None or job.reasoning is not None:
+                readers = {rid: ChatStream(self, job) for rid in index}
         finals: dict[str, dict[str, Any]] = {}
         async with aclosing(events):
             async for event in events:
                 meta = event["meta_info"]
                 if meta["finish_reason"] is not None:
                     finals[meta["id"]] = meta
-                choice = self.delta_choice(job, index[meta["id"]], event)
+                choice = self.delta_choice(job, index[meta["id"]], event,
+                                           readers.get(meta["id"]))
                 if choice is not None:
                     yield self.chunk(job, [choice])
         if job.include_usage:
             yield self.chunk(job, [], usage(job, [finals[r] for r in job.rids if r in finals]))
+
+
+class ChatStream:
+    """One streamed chat choice read through the job's parsers: reasoning, content and
+    tool-call deltas as they become certain; at the end, the turn is remembered."""
+
+    def __init__(self, formatter: Formatter, job: Job):
+        self.formatter, self.job = formatter, job
+        self.reasoning = ReasoningStream(job.reasoning) if job.reasoning else None
+        self.tools = ToolStream(job.tools) if job.tools else None
+        self.text = ""
+        self.ids: list[int] = []
+        self.called = False  # the turn's calls parsed: finish_reason tool_calls
+
+    def feed(self, text: str, ids: list[int], meta: dict[str, Any]) -> dict[str, Any]:
+        self.text += text
+        self.ids += ids
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        parts = self.tools.feed(content) if self.tools else [{"content": content}]
+        finished = meta["finish_reason"] is not None
+        if finished and self.tools is not None:
+            parts += self._finish()
+        pieces = [p["content"] for p in parts if "content" in p]
+        if any(pieces):
+            delta["content"] = "".join(pieces)
+        calls = [self._call_delta(p) for p in parts if "index" in p]
+        if calls:
+            delta["tool_calls"] = calls
+        if finished:
+            message = self.formatter.message(self.job, self.text)
+            self.called = bool(message.get("tool_calls"))
+            self.formatter.remember(message, self.ids, meta)
+        return delta
+
+    def _finish(self) -> list[dict[str, Any]]:
+        """What the tool stream held back or could not read as a call, as content."""
+        tools = self.tools
+        left = tools.text[tools.sent:]
+        if tools.mode not in ("content", "done") or not left.strip():
+            return []
+        return [{"content": left if tools.said else left.lstrip()}]
+
+    def _call_delta(self, part: dict[str, Any]) -> dict[str, Any]:
+        if "name" in part:
+            return {"index": part["index"], "id": _call_id(), "type": "function",
+                    "function": {"name": part["name"], "arguments": ""}}
+        return {"index": part["index"], "function": {"arguments": part["arguments"]}}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_entry(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": _call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _token_entry(token: str, logprob: float) -> dict[str, Any]:

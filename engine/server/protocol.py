@@ -7,6 +7,7 @@ only the engine knows (vocabulary, context length, sampling limits) are left to 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,6 +25,7 @@ PauseMode = Literal[PAUSE_MODES]  # the engine's rules, so the OpenAPI schema sh
 Staging = Literal[STAGING_MODES]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
+MAX_TOOLS = 128  # OpenAI's limit for tools
 
 
 
@@ -106,10 +108,82 @@ class TextPart(Body):
     text: str
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class CalledFunction(Body):
+    name: FunctionName
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+    @model_validator(mode="after")
+    def _arguments_are_an_object(self) -> CalledFunction:
+        try:
+            args = json.loads(self.arguments)
+        except ValueError as exc:
+            raise ValueError(f"arguments: not valid JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ValueError("arguments: must be a JSON object")
+        return self
+
+
+class MessageToolCall(Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant only
+    tool_call_id: Text | None = None  # tool only: the call it answers
+    reasoning_content: str | None = None  # assistant only
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("reasoning_content: only assistant messages carry reasoning")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs one, other roles have none")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls "
+                             "may leave it out)")
+        return self
+
+
+class FunctionDef(Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _parameters_are_an_object_schema(self) -> FunctionDef:
+        kind = (self.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f"parameters: must be the JSON schema of an object, got type "
+                             f"{kind!r}")
+        return self
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(Body):
+    name: FunctionName
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class JsonSchemaFormat(Body):
@@ -137,12 +211,52 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools")
+        if choice not in (None, "none", "auto") and self.response_format is not None:
+            raise ValueError("response_format: cannot be combined with a tool_choice that "
+                             "forces a call")
+        if self.tools and self.regex is not None:
+            raise ValueError("regex: cannot be combined with tools")
+        _check_tool_history(self.messages)
+        return self
+
+
+def _check_tool_history(messages: list[ChatMessage]) -> None:
+    """Every tool message answers a call of an earlier assistant message, once; call ids are
+    unique."""
+    open_calls: set[str] = set()
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        for k, call in enumerate(m.tool_calls or []):
+            if call.id in seen:
+                raise ValueError(f"messages.{i}.tool_calls.{k}.id: {call.id!r} is used twice")
+            seen.add(call.id)
+            open_calls.add(call.id)
+        if m.role == "tool":
+            if m.tool_call_id not in open_calls:
+                raise ValueError(f"messages.{i}.tool_call_id: {m.tool_call_id!r} answers no "
+                                 "open tool call of an earlier assistant message")
+            open_calls.discard(m.tool_call_id)
 
 
 class GenerateRequest(Body):

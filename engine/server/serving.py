@@ -18,19 +18,49 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotswap.engine.client.protocol import routes_to_json
+from hotswap.engine.parsers import (
+    detect_reasoning_parser,
+    detect_tool_parser,
+    tool_parser,
+)
+from hotswap.engine.parsers import reasoning_parser as parsers_reasoning
 from hotswap.engine.server.metrics import ServerMetrics
-from hotswap.engine.server.openai_api import Formatter
+from hotswap.engine.server.openai_api import ChatSetup, Formatter
 
 logger = logging.getLogger("hotswap.server")
 
 
 class ServerState:
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: Any, model_name: str, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto"):
         self.engine = engine
         self.model_name = model_name
         self.metrics = ServerMetrics(engine)
+        self.chat = chat_setup(engine.tokenizer, tool_call_parser, reasoning_parser)
         self.formatter = Formatter(lru_cache(maxsize=1 << 16)(
-            lambda t: engine.tokenizer.decode([t])))
+            lambda t: engine.tokenizer.decode([t])), self.chat.memory)
+
+
+def chat_setup(tokenizer: Any, tool_call_parser: str, reasoning_parser: str) -> ChatSetup:
+    """The parsers by name; "auto": what the chat template's markup asks for (a template
+    without tool markup gets hermes, the format the server then describes the tools in);
+    "none": off. ValueError for an unknown name."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        template = None  # a dict of named templates: detection reads the default one only
+    tools = None
+    if tool_call_parser == "auto":
+        tools = tool_parser(detect_tool_parser(template) or "hermes")
+    elif tool_call_parser != "none":
+        tools = tool_parser(tool_call_parser)
+    reasoning = None
+    if reasoning_parser == "auto":
+        found = detect_reasoning_parser(template)
+        reasoning = parsers_reasoning(*found) if found else None
+    elif reasoning_parser != "none":
+        found = detect_reasoning_parser(template)
+        reasoning = parsers_reasoning(reasoning_parser, bool(found and found[1]))
+    return ChatSetup(tokenizer, tools, reasoning)
 
 
 def _state(request: Request) -> ServerState:

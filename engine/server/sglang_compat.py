@@ -137,6 +137,9 @@ async def get_model_info(state: State) -> Response:
 async def get_server_info(state: State) -> Response:
     config = state.engine.config
     info = {k: v for k, v in vars(config).items() if isinstance(v, (str, int, float, bool))}
+    chat = state.chat
+    info["tool_call_parser"] = chat.tool_parser.name if chat.tool_parser else None
+    info["reasoning_parser"] = chat.reasoning_parser.name if chat.reasoning_parser else None
     return json_response({**info, "weight_version": state.engine.get_weight_version(),
                           "weight_sync_ranks": state.engine.weight_sync_ranks,
                           "max_total_num_tokens": state.engine.get_load()["kv_pool_tokens"],
