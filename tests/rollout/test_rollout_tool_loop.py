@@ -113,3 +113,30 @@ def test_the_loop_takes_any_shared_parser_by_name():
     assert llama3('<|python_tag|>{"name": "g", "parameters": {"s": "}"}}') == [("g", {"s": "}"})]
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ToolLoop({}, parse="nope")
+
+
+def test_a_forced_call_grammar_makes_every_turn_a_real_call(engine):
+    """The server's grammar as a sampling parameter: the random model's turns become calls that
+    the shared parser reads, and the tools run on their arguments."""
+    from hotswap.engine.parsers import tool_parser
+    from hotswap.engine.parsers.grammar import forced_calls_ebnf
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99},
+                                               "b": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["a", "b"]}
+    tools = [{"type": "function", "function": {"name": "mul", "parameters": schema}}]
+    seen = []
+
+    def mul(a: int, b: int) -> int:
+        seen.append((a, b))
+        return a * b
+
+    loop = ToolLoop({"mul": mul}, max_turns=2, max_new_tokens=64,
+                    ebnf=forced_calls_ebnf(tool_parser("hermes"), tools, parallel=False))
+    trajs = loop.run_group(TokenClient(engine, sampling={"temperature": 1.0}),
+                           {"messages": MESSAGES}, 4, group_id=0, seed=3)
+    for traj in trajs:
+        assert traj.finish_reason == "max_turns" and traj.parse_errors == 0
+        assert traj.tool_calls == 1  # the first turn's call ran; the second turn hit max_turns
+    assert len(seen) == 4 and all(0 <= a <= 99 and 0 <= b <= 99 for a, b in seen)
