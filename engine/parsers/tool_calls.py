@@ -12,9 +12,10 @@ arguments are the object's text as the model wrote it, so what a stream sent pie
 (streaming.py) and what the re-rendered turn holds are the model's own characters.
 
 `ObjectScanner` reads one call object's structure as its text grows: streaming.py follows calls
-with it, and here it finds where the arguments are written. Each parser also knows its markup: `render` writes calls the way the format does (the text a
-template without tool support gets in the assistant turn), and `begin`/`end`/`sep`/`opening`/
-`closing` are the literal pieces around each call's arguments that grammar.py constrains.
+with it, and here it finds where the arguments are written. Each parser also knows its markup:
+`render` writes calls the way the format does (the text a template without tool support gets
+in the assistant turn), and `begin`/`end`/`sep`/`opening`/`closing` are the literal pieces
+around each call's arguments that grammar.py constrains.
 """
 
 from __future__ import annotations

@@ -273,10 +273,8 @@ class Formatter:
         """The chunk choice for one engine stream event; None when it carries nothing."""
         meta = event["meta_info"]
         delta: dict[str, Any] = {}
-        if reader is not None:
+        if reader is not None:  # every chat stream has one
             delta = reader.feed(event["text"], event["output_ids"], meta)
-        elif job.kind == "chat.completion" and event["text"]:
-            delta = {"content": event["text"]}
         finish = finish_fields(meta)
         if reader is not None and reader.called and finish["finish_reason"] == "stop":
             finish["finish_reason"] = "tool_calls"
@@ -302,8 +300,7 @@ class Formatter:
             yield self.chunk(job, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}
                                    for i in range(len(index))])
-            if job.tools is not None or job.reasoning is not None:
-                readers = {rid: ChatStream(self, job) for rid in index}
+            readers = {rid: ChatStream(self, job) for rid in index}
         finals: dict[str, dict[str, Any]] = {}
         async with aclosing(events):
             async for event in events:

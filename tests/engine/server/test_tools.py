@@ -253,3 +253,18 @@ def test_render_keeps_the_model_tokens_of_a_remembered_turn(api_engine) -> None:
                    TOOLS, tool_parser("hermes"), None, memory)
     assert again[:len(first)] == first  # ... up to the assistant turn's generation prompt,
     assert again[len(first):len(first) + len(generated)] == generated  # then its own ids
+
+
+def test_a_streamed_turn_is_remembered_too(api_client) -> None:
+    text, usage = "", None
+    for chunk in api_client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=12, seed=8, stream=True,
+            stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    history = [*ASK, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+    second = api_client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
+    # Every token but the last, whose KV no forward computed, is served from the cache.
+    done = usage.prompt_tokens + usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == done
