@@ -185,6 +185,8 @@ class EngineConfig:
     mem_fraction: float = 0.3
     context_length: int | None = None
     weight_update_timeout_s: float = 300.0
+    # Sessions (open_session): the share of the KV pool their pinned turns may hold together.
+    session_budget_fraction: float = 0.25
     # Refuse weight updates holding NaN or inf before any write (one extra pass over the data).
     check_weights_finite: bool = True
     # Distributed updates: "standby" receives beside the live weights (one extra copy of them,
@@ -246,6 +248,8 @@ class EngineConfig:
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(
                 f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if not 0 <= self.session_budget_fraction <= 1:
+            raise ValueError("session_budget_fraction must be in [0, 1]")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         self._check_hicache()

@@ -65,7 +65,8 @@ class Engine(EngineClient):
         self.requests = RequestBuilder(
             self.tokenizer, model_config.vocab_size, self.config.context_length,
             self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
-            self.loras.check_name, self.config.enable_return_routed_experts)
+            self.loras.check_name, self.scheduler.sessions.known,
+            self.config.enable_return_routed_experts)
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
         # daemon) may be inside a step: the interpreter then ends that thread inside torch's C++
@@ -97,12 +98,15 @@ class Engine(EngineClient):
                  return_logprob: bool = False,
                  top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False
+                 stream: bool = False, return_routed_experts: bool = False,
+                 session_id: str | list[str] | None = None
                  ) -> dict | list[dict] | Iterator[dict]:
-        """Outputs in the order given, samples of a prompt adjacent; a dict for one prompt, n=1."""
+        """Outputs in the order given, samples of a prompt adjacent; a dict for one prompt, n=1.
+        session_id: an open session's (open_session); the turn's KV stays pinned after it."""
         reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
                                            return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream, return_routed_experts)
+                                           cache_salt, rid, stream, return_routed_experts,
+                                           session_id)
         events: queue.Queue[dict] = queue.Queue()
         for req in reqs:
             req.sink = events.put
@@ -136,11 +140,13 @@ class Engine(EngineClient):
                              lora_name: str | list[str] | None = None,
                              cache_salt: str | list[str] | None = None,
                              rid: str | list[str] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False
+                             stream: bool = False, return_routed_experts: bool = False,
+                             session_id: str | list[str] | None = None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
                                            return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream, return_routed_experts)
+                                           cache_salt, rid, stream, return_routed_experts,
+                                           session_id)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[dict] = asyncio.Queue()
         for req in reqs:
@@ -400,6 +406,18 @@ class Engine(EngineClient):
     def list_lora_adapters(self) -> dict[str, int]:
         """Loaded adapters and their versions."""
         return {name: a.version for name, a in self.loras.adapters.items()}
+
+    def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
+        """Open a session (a conversation) and return its id: each turn sent with
+        `session_id=` leaves its KV pinned in the prefix cache, so the next turn prefills only
+        its new tokens, until the session is closed, goes `ttl_s` seconds without a turn, is
+        pushed out by newer sessions' pins (session_budget_fraction of the KV pool), or a
+        weight update retires that KV."""
+        return self.scheduler.open_session(ttl_s, session_id)
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session and free its pin; False when no such session is open."""
+        return self.scheduler.close_session(session_id)
 
     def get_load(self) -> dict[str, Any]:
         """Requests running, waiting, forked and compiling, KV tokens used, cached and in the

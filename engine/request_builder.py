@@ -27,12 +27,13 @@ class RequestBuilder:
     kv_tokens: Callable[[], int]  # the KV pool's size now (a TP pool may be rebuilt)
     check_servable: Callable[[], None]  # raises while the weights are incomplete or a worker died
     check_lora: Callable[[str | None], None]
+    session_known: Callable[[str], bool]
     routed_experts: bool = False  # the engine may return routed experts (an MoE model)
 
     def build(self, prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
               return_logprob: bool, top_logprobs_num: int, lora_name: Any,
-              cache_salt: Any, rid: Any, stream: bool, return_routed_experts: bool = False
-              ) -> tuple[list[Req], bool]:
+              cache_salt: Any, rid: Any, stream: bool, return_routed_experts: bool = False,
+              session_id: Any = None) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs."""
         self.check_servable()
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
@@ -41,6 +42,7 @@ class RequestBuilder:
         salts = per_prompt(cache_salt, count, "cache_salt", str)
         loras = per_prompt(lora_name, count, "lora_name", str)
         rids = per_prompt(rid, count, "rid", str)
+        sessions = per_prompt(session_id, count, "session_id", str)
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
             raise ValueError("top_logprobs_num must be an integer in [0, 100]")
         if not isinstance(return_routed_experts, bool):
@@ -52,9 +54,10 @@ class RequestBuilder:
         if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
             raise ValueError("rid values must be unique")
         reqs = []
-        for ids, p, salt, lora, r in zip(prompts, params, salts, loras, rids):
+        for ids, p, salt, lora, r, session in zip(prompts, params, salts, loras, rids, sessions):
             sp = SamplingParams.from_dict(p)
             self._check_request(ids, sp, lora)
+            self._check_session(session, sp)
             grammar_job = self.grammars.request_grammar(sp)  # ValueError if bad
             base = r or uuid.uuid4().hex
             leader = None
@@ -65,7 +68,7 @@ class RequestBuilder:
                     top_logprobs_num=top_logprobs_num,
                     return_routed_experts=return_routed_experts, cache_salt=salt, lora_name=lora,
                     stream=stream, group_leader=leader, created=time.perf_counter(),
-                    grammar=self.grammars.for_sample(grammar_job)))
+                    grammar=self.grammars.for_sample(grammar_job), session_id=session))
                 leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
 
@@ -112,6 +115,15 @@ class RequestBuilder:
         ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
                                                  add_generation_prompt=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _check_session(self, session: str | None, sp: SamplingParams) -> None:
+        if session is None:
+            return
+        if not self.session_known(session):
+            raise ValueError(f"session_id {session!r}: no such session is open (open_session; "
+                             "closed and expired sessions are gone)")
+        if sp.n != 1:
+            raise ValueError("session_id: a session is one conversation; n must be 1")
 
     def _check_request(self, ids: list[int], sp: SamplingParams, lora: str | None) -> None:
         if not ids:

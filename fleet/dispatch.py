@@ -39,6 +39,7 @@ class Row:
     lora: str | None
     salt: str | None
     rid: str
+    session: str | None = None  # pinned to the replica holding the session while it serves
 
     @property
     def samples(self) -> int:
@@ -51,7 +52,8 @@ class Row:
 
 
 def split_rows(prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
-               lora_name: Any, cache_salt: Any, rid: Any) -> tuple[list[Row], bool]:
+               lora_name: Any, cache_salt: Any, rid: Any, session_id: Any = None
+               ) -> tuple[list[Row], bool]:
     """The batch as rows, split as the Engine splits it (the replica validates the rest), and
     whether it was a single prompt."""
     given = [(k, v) for k, v in (("prompt", prompt), ("input_ids", input_ids),
@@ -70,18 +72,23 @@ def split_rows(prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
     loras = per_prompt(lora_name, count, "lora_name", str)
     salts = per_prompt(cache_salt, count, "cache_salt", str)
     rids = per_prompt(rid, count, "rid", str)
+    sessions = per_prompt(session_id, count, "session_id", str)
     if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
         raise ValueError("rid values must be unique")
-    rows = [Row(kind, v, p or {}, lo, s, r or uuid.uuid4().hex)
-            for v, p, lo, s, r in zip(values, params, loras, salts, rids, strict=True)]
+    rows = [Row(kind, v, p or {}, lo, s, r or uuid.uuid4().hex, se)
+            for v, p, lo, s, r, se in zip(values, params, loras, salts, rids, sessions,
+                                          strict=True)]
     return rows, single
 
 
 def _call_kwargs(rows: list[Row], options: dict[str, Any]) -> dict:
     """A replica's generate arguments for `rows`; `options` are the call's per-call flags."""
-    return {rows[0].kind: [r.value for r in rows], "sampling_params": [r.params for r in rows],
-            "lora_name": [r.lora for r in rows], "cache_salt": [r.salt for r in rows],
-            "rid": [r.rid for r in rows], **options}
+    kwargs = {rows[0].kind: [r.value for r in rows], "sampling_params": [r.params for r in rows],
+              "lora_name": [r.lora for r in rows], "cache_salt": [r.salt for r in rows],
+              "rid": [r.rid for r in rows], **options}
+    if any(r.session is not None for r in rows):
+        kwargs["session_id"] = [r.session for r in rows]
+    return kwargs
 
 
 class Dispatcher:
@@ -90,15 +97,30 @@ class Dispatcher:
                  abort: Callable[[str], None], cache_threshold: float, wait_s: float):
         """lost(replica, why): a call found the replica dead; abort(rid): aborts a sample on
         every replica; wait_s: how long a request waits for a serving replica."""
+        self.sessions: dict[str, int] = {}  # session id -> the replica index holding it
         self._placement, self._affinity, self._pool = placement, affinity, pool
         self._stopped, self._lost, self._abort = stopped, lost, abort
         self.cache_threshold, self.wait_s = cache_threshold, wait_s
 
     # choosing replicas
 
+    def session_replica(self, row: Row, serving: list[Replica]) -> Replica | None:
+        """The replica holding the row's session. A session whose replica is gone is
+        forgotten, and its row runs wherever it fits, without the pin."""
+        if row.session is None:
+            return None
+        if row.session not in self.sessions:
+            raise ValueError(f"session_id {row.session!r}: no such session is open")
+        held = [r for r in serving if r.index == self.sessions[row.session]]
+        if not held:
+            del self.sessions[row.session]
+            row.session = None
+        return held[0] if held else None
+
     def _choose(self, row: Row, exclude: set[int]) -> Replica:
-        """Prefix affinity if a replica holds most of the prompt and is not much busier,
-        else the least loaded; waits for a serving replica while none is."""
+        """The session's replica; else prefix affinity if a replica holds most of the prompt
+        and is not much busier, else the least loaded; waits for a serving replica while none
+        is."""
         key = affinity_key("/generate", {row.kind: row.value})
         deadline = time.monotonic() + self.wait_s
         while True:
@@ -106,8 +128,9 @@ class Dispatcher:
                 everyone = self._placement.in_state("serving")
                 serving = [r for r in everyone if r.index not in exclude] or everyone
                 if serving:
-                    chosen = self._by_affinity(key, serving) or min(
-                        serving, key=lambda r: (r.inflight, r.requests, r.index))
+                    chosen = self.session_replica(row, everyone) or self._by_affinity(
+                        key, serving) or min(serving,
+                                             key=lambda r: (r.inflight, r.requests, r.index))
                     self._charge(chosen, row)
                     if key:
                         self._affinity.insert(key, chosen.index)
@@ -134,7 +157,7 @@ class Dispatcher:
         by_prompt: dict[tuple, Replica] = {}
         plan: dict[int, tuple[Replica, list[int]]] = {}
         for i, row in enumerate(rows):
-            same = (row.kind, repr(row.value), row.lora, row.salt)
+            same = (row.kind, repr(row.value), row.lora, row.salt, row.session)
             replica = by_prompt.get(same)
             if replica is None:
                 replica = by_prompt[same] = self._choose(row, set(exclude))

@@ -23,7 +23,7 @@ from typing import Any
 from hotswap.engine.client.protocol import resolve_commit
 from hotswap.fleet.affinity import PrefixAffinity
 from hotswap.fleet.coordinator import Coordinator, Member
-from hotswap.fleet.dispatch import Dispatcher, async_events, split_rows
+from hotswap.fleet.dispatch import Dispatcher, ReplicaGone, async_events, split_rows
 from hotswap.fleet.fleet_weights import FleetWeights
 from hotswap.fleet.health import Health
 from hotswap.fleet.placement import Placement, Replica, ReplicaSpec
@@ -196,13 +196,14 @@ class RayFleet(Coordinator):
                  top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
                  cache_salt: str | list[str | None] | None = None,
                  rid: str | list[str | None] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False
+                 stream: bool = False, return_routed_experts: bool = False,
+                 session_id: str | list[str | None] | None = None
                  ) -> dict | list[dict] | Iterator[dict]:
         """Rows with the same prompt (and all samples of a row) go to one replica; outputs
         come back in the order given. A replica that dies takes no request with it: its rows
         are sampled again from the prompt on a live replica (meta_info "resubmitted")."""
         rows, single = split_rows(prompt, input_ids, messages, sampling_params, lora_name,
-                                  cache_salt, rid)
+                                  cache_salt, rid, session_id)
         options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                    "return_routed_experts": return_routed_experts}
         if stream:
@@ -218,7 +219,8 @@ class RayFleet(Coordinator):
                              lora_name: str | list[str | None] | None = None,
                              cache_salt: str | list[str | None] | None = None,
                              rid: str | list[str | None] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False
+                             stream: bool = False, return_routed_experts: bool = False,
+                             session_id: str | list[str | None] | None = None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         kwargs = dict(locals())
         del kwargs["self"]
@@ -227,6 +229,23 @@ class RayFleet(Coordinator):
             return await loop.run_in_executor(self._pool, lambda: self.generate(**kwargs))
         events = self.generate(**kwargs)
         return async_events(events, loop, self._pool)
+
+    # sessions: each stays on the replica that opened it (a row of a session whose replica
+    # died runs elsewhere, without the pin)
+
+    def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
+        serving = self._serving()
+        if not serving:
+            raise ReplicaGone("no serving replica to hold the session")
+        replica = min(serving, key=lambda r: (r.inflight, r.requests, r.index))
+        session = replica.client.open_session(ttl_s, session_id)
+        self._dispatch.sessions[session] = replica.index
+        return session
+
+    def close_session(self, session_id: str) -> bool:
+        index = self._dispatch.sessions.pop(session_id, None)
+        held = [r for r in self._serving() if r.index == index]
+        return bool(held) and held[0].client.close_session(session_id)
 
     # weights through the object store; adapters recorded for replicas that join later
 

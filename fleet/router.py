@@ -47,6 +47,7 @@ class Router(Coordinator):
         self.cache_threshold = cache_threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.affinity = PrefixAffinity()
+        self._sessions: dict[str, int] = {}  # session id -> the server holding it
         self.inflight = [0] * len(self.urls)
         self.assigned = [0] * len(self.urls)
         self._down_until = [0.0] * len(self.urls)
@@ -70,13 +71,15 @@ class Router(Coordinator):
 
     # routing
 
-    def choose(self, key: Key) -> int:
-        """The server for a prompt `key`; counts it in flight until `done(server)`."""
+    def choose(self, key: Key, server: int | None = None) -> int:
+        """The server for a prompt `key` (or the given one: a session's); counts it in flight
+        until `done(server)`."""
         with self._lock:
             now = time.monotonic()
             up = [i for i in range(len(self.urls)) if self._down_until[i] <= now]
             candidates = up or list(range(len(self.urls)))
-            server = self._cached_choice(key, candidates)
+            if server is None:
+                server = self._cached_choice(key, candidates)
             if server is None:
                 server = min(candidates, key=lambda i: (self.inflight[i], self.assigned[i], i))
             self.inflight[server] += 1
@@ -107,6 +110,32 @@ class Router(Coordinator):
         with self._lock:
             return min(range(len(self.urls)), key=lambda i: (self.inflight[i], i))
 
+    # sessions: each stays on the server that opened it
+
+    def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
+        server = self.least_loaded()
+        session = self.engines[server].open_session(ttl_s, session_id)
+        with self._lock:
+            self._sessions[session] = server
+        return session
+
+    def close_session(self, session_id: str) -> bool:
+        with self._lock:
+            server = self._sessions.pop(session_id, None)
+        return server is not None and self.engines[server].close_session(session_id)
+
+    def session_server(self, session_id: str | list[str | None]) -> int | None:
+        """The server holding the call's session (None: no session given); ValueError for an
+        unknown session or several."""
+        ids = {session_id} if isinstance(session_id, str) else set(session_id) - {None}
+        if len(ids) > 1:
+            raise ValueError("session_id: one call's prompts go to one server; give one session")
+        with self._lock:
+            server = self._sessions.get(next(iter(ids))) if ids else None
+        if ids and server is None:
+            raise ValueError(f"session_id {next(iter(ids))!r}: no such session is open")
+        return server
+
     # generation: a call's prompts go to one server, chosen by the first prompt
 
     def generate(self, prompt: str | list[str] | None = None,
@@ -116,11 +145,13 @@ class Router(Coordinator):
                  top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
                  cache_salt: str | list[str | None] | None = None,
                  rid: str | list[str | None] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False
+                 stream: bool = False, return_routed_experts: bool = False,
+                 session_id: str | list[str | None] | None = None
                  ) -> dict | list[dict] | Iterator[dict]:
         kwargs = dict(locals())
         del kwargs["self"]
-        server = self.choose(affinity_key("/generate", kwargs))
+        server = self.session_server(session_id) if session_id is not None else None
+        server = self.choose(affinity_key("/generate", kwargs), server)
         try:
             out = self.engines[server].generate(**kwargs)
         except BaseException:
@@ -145,11 +176,13 @@ class Router(Coordinator):
                              lora_name: str | list[str | None] | None = None,
                              cache_salt: str | list[str | None] | None = None,
                              rid: str | list[str | None] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False
+                             stream: bool = False, return_routed_experts: bool = False,
+                             session_id: str | list[str | None] | None = None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         kwargs = dict(locals())
         del kwargs["self"]
-        server = self.choose(affinity_key("/generate", kwargs))
+        server = self.session_server(session_id) if session_id is not None else None
+        server = self.choose(affinity_key("/generate", kwargs), server)
         try:
             out = await self.engines[server].async_generate(**kwargs)
         except BaseException:

@@ -28,8 +28,10 @@ from starlette.responses import Response, StreamingResponse
 from hotswap.engine.errors import RemoteEngineError
 from hotswap.engine.server.app import control_paths, install_error_handlers, route_table
 from hotswap.engine.server.protocol import (
+    CloseSessionRequest,
     GroupRequest,
     InitGroupRequest,
+    OpenSessionRequest,
     UpdateFromDiskRequest,
     UpdateFromDistributedRequest,
     WeightsByNameRequest,
@@ -131,6 +133,18 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
         return json_response({**upstream.json(), "weight_sync_ranks": ranks,
                               "servers": router.urls})
 
+    @app.post("/open_session")
+    async def open_session(body: OpenSessionRequest) -> Response:
+        session = await asyncio.to_thread(router.open_session, body.ttl_s, body.session_id)
+        return json_response({"session_id": session})
+
+    @app.post("/close_session")
+    async def close_session(body: CloseSessionRequest) -> Response:
+        if not await asyncio.to_thread(router.close_session, body.session_id):
+            return error_response(404, f"session_id {body.session_id!r}: no such session is "
+                                  "open", "not_found_error")
+        return json_response({"success": True})
+
     async def proxy(request: Request) -> Response:
         body = await request.body()
         try:
@@ -141,8 +155,10 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
             raise ValueError("request body must be a JSON object")
         path = request.url.path
         key = affinity_key(path, payload)
+        held = router.session_server(payload["session_id"]) if payload.get(
+            "session_id") is not None else None
         for _ in range(len(router.urls)):
-            server = router.choose(key)
+            server = router.choose(key, held)
             try:
                 upstream = await clients[server].send(clients[server].build_request(
                     "POST", path, content=body, headers=headers(False)), stream=True)

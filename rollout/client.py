@@ -115,26 +115,35 @@ class TokenClient:
         return ids
 
     def generate(self, prompt_ids: list[int] | list[list[int]], n: int = 1,
-                 **sampling: Any) -> list[Completion]:
-        """n samples of each prompt (one request per prompt: its prefill is shared), adjacent."""
+                 session_id: str | list[str | None] | None = None,
+                 seeds: list[int] | None = None, **sampling: Any) -> list[Completion]:
+        """n samples of each prompt (one request per prompt: its prefill is shared), adjacent.
+        session_id: per prompt, an open session of the backend (n must then be 1); seeds: per
+        prompt, in place of a `seed`."""
         prompts = [prompt_ids] if prompt_ids and isinstance(prompt_ids[0], int) else prompt_ids
         params = {**self.sampling, **sampling, "n": n}
+        per_prompt = [params] * len(prompts) if seeds is None else [
+            {**params, "seed": seed} for seed in seeds]
         if self.cancelled.is_set():  # the rollout was called off before this request went out
             return [Completion([], [], [], {"type": "abort", "message": "cancelled by the rollout"})
                     for _ in range(len(prompts) * n)]
-        outs = self._call([list(p) for p in prompts], params)
+        outs = self._call([list(p) for p in prompts], params if seeds is None else per_prompt,
+                          session_id)
         comps = [self._completion(o) for o in outs]
         self._count(len(prompts), prompts, n, comps)
         for i, comp in enumerate(comps):
-            comps[i] = self._finish_interrupted(prompts[i // n], comp, params)
+            comps[i] = self._finish_interrupted(prompts[i // n], comp, per_prompt[i // n])
         return comps
 
-    def _call(self, prompts: list[list[int]], params: dict) -> list[dict]:
+    def _call(self, prompts: list[list[int]], params: dict | list[dict],
+              session_id: str | list[str | None] | None = None) -> list[dict]:
         rids = [f"{self._prefix}-{next(self._rids)}" for _ in prompts]
         with self._lock:
             self.inflight.update(rids)
         try:
             extra = {"return_routed_experts": True} if self.routed_experts else {}
+            if session_id is not None:
+                extra["session_id"] = session_id
             outs = self.backend.generate(input_ids=prompts, sampling_params=params,
                                          return_logprob=True, rid=rids, **extra)
         finally:

@@ -90,16 +90,19 @@ class ToolLoop:
     def __init__(self, tools: dict[str, Callable[..., Any]], max_turns: int = 8,
                  max_tokens: int = 2048, tool_timeout_s: float = 10.0,
                  parse: str | Callable[[str], list[ToolCall]] = "hermes",
-                 tool_role: str = "tool", **sampling: Any):
+                 tool_role: str = "tool", sessions: bool = False, **sampling: Any):
         """tools: name -> fn(**arguments) (or fn(arguments) when the arguments are not a dict);
         its return value (str(), or JSON for dicts/lists) is the tool message. max_tokens: the
         response budget, tool tokens included. parse: a parser of hotswap.engine.parsers by name
-        (hermes, qwen, llama3, mistral) or a function of the turn's text. sampling: per-turn
-        params (max_new_tokens ...)."""
+        (hermes, qwen, llama3, mistral) or a function of the turn's text. sessions: each
+        trajectory holds a session of the engine (open_session), so its KV stays pinned while
+        its tools run; the first turn then sends one request per trajectory instead of n=G.
+        sampling: per-turn params (max_new_tokens ...)."""
         if max_turns < 1 or max_tokens < 1:
             raise ValueError("max_turns and max_tokens must be >= 1")
         self.tools, self.max_turns, self.max_tokens = dict(tools), max_turns, max_tokens
         self.tool_timeout_s, self.tool_role = tool_timeout_s, tool_role
+        self.sessions = sessions
         self.parse = calls_from(tool_parser(parse)) if isinstance(parse, str) else parse
         self.sampling = sampling
         self._deltas: dict[int, TemplateDeltas] = {}
@@ -120,24 +123,34 @@ class ToolLoop:
         if seed is not None:
             params.setdefault("seed", seed)
         active = list(trajs)
-        for turn in range(self.max_turns):
-            comps = self._generate(client, prompt, active, turn, params)
-            active = [t for t, c in zip(active, comps)
-                      if self._after_turn(client, deltas, t, c, turn)]
-            if not active:
-                break
+        sessions = {id(t): client.backend.open_session() for t in trajs} if self.sessions else {}
+        try:
+            for turn in range(self.max_turns):
+                comps = self._generate(client, prompt, active, turn, params, sessions)
+                active = [t for t, c in zip(active, comps)
+                          if self._after_turn(client, deltas, t, c, turn)]
+                if not active:
+                    break
+        finally:
+            for session in sessions.values():
+                client.backend.close_session(session)
         return trajs
 
     def _generate(self, client: TokenClient, prompt: list[int], active: list[Trajectory],
-                  turn: int, params: dict) -> list[Completion]:
+                  turn: int, params: dict, sessions: dict[int, str]) -> list[Completion]:
         per_turn = int(params.get("max_new_tokens", client.sampling.get("max_new_tokens", 128)))
         room = min(self.max_tokens - len(t.response_ids) for t in active)
         turn_params = {**params, "max_new_tokens": max(1, min(per_turn, room))}
-        if turn == 0:  # one request with n=G: the prompt is prefilled once
+        if turn == 0 and not sessions:  # one request with n=G: the prompt is prefilled once
             return client.generate(prompt, n=len(active), **turn_params)
+        seeds = None
         if "seed" in turn_params:
             turn_params["seed"] = turn_params["seed"] * 7919 + turn
-        return client.generate([prompt + t.response_ids for t in active], n=1, **turn_params)
+            if sessions:  # one request per trajectory: each its own seed
+                seeds = [turn_params["seed"] * 31 + t.sample_idx for t in active]
+        session_ids = [sessions[id(t)] for t in active] if sessions else None
+        return client.generate([prompt + t.response_ids for t in active], n=1,
+                               session_id=session_ids, seeds=seeds, **turn_params)
 
     def _after_turn(self, client: TokenClient, deltas: TemplateDeltas, traj: Trajectory,
                     comp: Completion, turn: int) -> bool:

@@ -93,10 +93,12 @@ class EngineClient(ABC):
                  return_logprob: bool = False, top_logprobs_num: int = 0,
                  lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
                  rid: PerPrompt = None, stream: bool = False,
-                 return_routed_experts: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 return_routed_experts: bool = False, session_id: PerPrompt = None
+                 ) -> dict | list[dict] | Iterator[dict]:
         """One output per (prompt, sample), in the order given; a dict for one prompt with n=1.
         The first three are positional in SGLang's order, the rest keyword-only.
-        return_routed_experts (MoE models): meta_info["routed_experts"], see docs/moe.md."""
+        return_routed_experts (MoE models): meta_info["routed_experts"], see docs/moe.md.
+        session_id: an open session's (open_session): the turn's KV stays pinned after it."""
 
     @abstractmethod
     async def async_generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
@@ -104,9 +106,20 @@ class EngineClient(ABC):
                              return_logprob: bool = False, top_logprobs_num: int = 0,
                              lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
                              rid: PerPrompt = None, stream: bool = False,
-                             return_routed_experts: bool = False
+                             return_routed_experts: bool = False, session_id: PerPrompt = None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True an async iterator of incremental outputs."""
+
+    @abstractmethod
+    def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
+        """Opens a session (one conversation) and returns its id: each turn generated with
+        `session_id=` leaves its KV pinned, so the next turn prefills only its new tokens.
+        Pins end with close_session, ttl_s without a turn, the pin budget, or a weight update.
+        A fleet keeps a session on one replica."""
+
+    @abstractmethod
+    def close_session(self, session_id: str) -> bool:
+        """Closes a session and frees its pin; False when no such session is open."""
 
     @abstractmethod
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:

@@ -22,7 +22,7 @@ from hotswap.weight_sync.serialize import serialize_named_tensors
 
 _GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
                     "top_logprobs_num", "lora_name", "cache_salt", "rid",
-                    "return_routed_experts")
+                    "return_routed_experts", "session_id")
 
 
 class RemoteEngine(EngineClient):
@@ -67,7 +67,8 @@ class RemoteEngine(EngineClient):
                  return_logprob: bool = False,
                  top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
                  cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False
+                 stream: bool = False, return_routed_experts: bool = False,
+                 session_id: str | list[str] | None = None
                  ) -> dict | list[dict] | Iterator[dict]:
         body = _generate_body(locals())
         if stream:
@@ -94,7 +95,8 @@ class RemoteEngine(EngineClient):
                              lora_name: str | list[str] | None = None,
                              cache_salt: str | list[str] | None = None,
                              rid: str | list[str] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False
+                             stream: bool = False, return_routed_experts: bool = False,
+                             session_id: str | list[str] | None = None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         body = _generate_body(locals())
         if stream:
@@ -270,6 +272,19 @@ class RemoteEngine(EngineClient):
             "/load_lora_adapter_from_tensors", lora_name=lora_name,
             serialized_tensors=serialize_named_tensors(tensors), config_dict=config_dict,
             pause_mode=pause_mode)
+
+    def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
+        body = {"ttl_s": ttl_s, **({"session_id": session_id} if session_id else {})}
+        return self._call("POST", "/open_session", body)["session_id"]
+
+    def close_session(self, session_id: str) -> bool:
+        try:
+            self._call("POST", "/close_session", {"session_id": session_id})
+        except RemoteEngineError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def list_lora_adapters(self) -> dict[str, int]:
         return self._call("GET", "/list_lora_adapters")

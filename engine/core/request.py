@@ -77,6 +77,7 @@ class Req:
     return_routed_experts: bool = False
     cache_salt: str | None = None
     lora_name: str | None = None
+    session_id: str | None = None  # its KV stays pinned after it finishes (scheduler/sessions.py)
     stream: bool = False
     sink: Callable[[dict[str, Any]], None] | None = None  # receives output events
     group_leader: Req | None = None  # n > 1: siblings wait for the leader's prompt KV

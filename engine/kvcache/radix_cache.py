@@ -186,7 +186,7 @@ class RadixCache:
     def cache_unfinished(self, ns: Namespace, tokens: list[int], slots: torch.Tensor,
                          last_node: TreeNode) -> MatchResult:
         """Insert a running request's computed prefix and move its lock to the new deepest node."""
-        borrowed = self._path_len(last_node)
+        borrowed = self.path_len(last_node)
         end = self._aligned(min(len(tokens), len(slots)))
         if self.disable or ns in self._retired or end <= borrowed:
             return MatchResult(slots[:borrowed], last_node)
@@ -348,7 +348,7 @@ class RadixCache:
         self._num_nodes += 1
         return mid
 
-    def _path_len(self, node: TreeNode) -> int:
+    def path_len(self, node: TreeNode) -> int:
         total = 0
         while node.parent is not None:
             total += len(node.key)

@@ -34,6 +34,7 @@ class SchedulerLoad:
     kv_used_tokens: int  # KV pool slots not free: running requests and the prefix cache
     kv_cached_tokens: int  # KV slots held by the prefix cache
     kv_pool_tokens: int  # KV pool size in tokens
+    sessions: int  # open sessions
     # Since start: prompt_tokens, generated_tokens, cached_tokens (prompt tokens found in the
     # prefix cache), prefill_tokens, steps, step_s.
     totals: dict[str, float] = field(default_factory=dict)
@@ -75,7 +76,7 @@ class SchedulerControl:
             compiling=len(self.grammar_queue),
             kv_used_tokens=allocator.size - allocator.available_size(),
             kv_cached_tokens=self.tree.total_size(), kv_pool_tokens=allocator.size,
-            totals=dict(self.stats))
+            sessions=len(self.sessions), totals=dict(self.stats))
 
     def finish_where(self, picked: Callable[[Req], bool], reason: FinishReason,
                      queued: bool = True) -> int:
@@ -177,9 +178,11 @@ class SchedulerControl:
 
     def retire_namespaces(self, retired: Callable[[Namespace], bool]) -> None:
         """Make cached prefixes of the matching namespaces unreachable (invariant 1); running
-        requests under one (an in_place update) keep their KV, which never reaches the tree."""
+        requests under one (an in_place update) keep their KV, which never reaches the tree.
+        Sessions' pins there are dropped, which frees that KV."""
         def on_thread() -> None:
             self.tree.retire_where(retired)
+            self.sessions.unpin_retired(retired)
             for ns in {r.namespace for r in self.running if r.namespace is not None}:
                 if retired(ns):
                     self.tree.retire_namespace(ns)
@@ -220,6 +223,13 @@ class SchedulerControl:
         """Invariant 2 (conservation) and the tree's own checks."""
         self.run(lambda: self.kv.check_integrity(self.running))
 
+    def open_session(self, ttl_s: float, session_id: str | None) -> str:
+        return self.run(lambda: self.sessions.open(ttl_s, session_id))
+
+    def close_session(self, session_id: str) -> bool:
+        return self.run(lambda: self.sessions.close(session_id))
+
     def _reset_kv(self) -> None:
+        self.sessions.forget_pins()
         self.tree.reset()
         self.runner.allocator.clear()

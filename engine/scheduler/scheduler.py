@@ -37,6 +37,7 @@ from hotswap.engine.scheduler.kv_manager import KVManager, StepPeers
 from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
+from hotswap.engine.scheduler.sessions import Sessions
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class Scheduler(SchedulerControl):
                                      runner.model.parameters, serving)
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
                             config.page_size)
+        self.sessions = Sessions(self.tree, lambda: int(
+            runner.allocator.size * config.session_budget_fraction))
         self.sampler = Sampler()
         self.lora = lora or LoRAManager(config, runner.model_config, runner.device, runner.dtype)
         self.grammars = GrammarManager(config.grammar_backend, outputs.tokenizer,
@@ -123,8 +126,11 @@ class Scheduler(SchedulerControl):
         while not self._stop.is_set():
             if not self.has_work:  # idle: keep no OpenMP team that would throttle the caller's
                 release_thread_team()
-            self._drain_inbox(block=not self.has_work or idle_wait is not None,
-                              timeout=idle_wait)
+            self.sessions.expire(time.monotonic())
+            block = not self.has_work or idle_wait is not None
+            expiry = self.sessions.seconds_to_expiry()  # a blocked wait ends at the next expiry
+            timeout = idle_wait if expiry is None else min(idle_wait or expiry, expiry)
+            self._drain_inbox(block=block, timeout=timeout)
             if self._stop.is_set():
                 break
             if not self.has_work:
@@ -235,6 +241,9 @@ class Scheduler(SchedulerControl):
         if req in self.running:
             self.running.remove(req)
         self._keep_routes(req)
+        if req.session_id is not None and reason.type != "abort" and self.is_live(req):
+            self.kv.cache_unfinished(req)  # the turn's KV into the tree, then pinned there
+            self.sessions.pin(req.session_id, req.last_node)
         self.kv.release(req)
         self.waiting[:0] = self.forks.pop(req.rid, [])  # the leader is gone: prefill normally
         self.outputs.emit(req)

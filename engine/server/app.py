@@ -14,6 +14,7 @@ Both are checked before the body is read, with constant-time comparison.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import time
@@ -32,7 +33,13 @@ from hotswap.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 from hotswap.engine.server.control_api import control, lora_routes, memory_routes
 from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
-from hotswap.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from hotswap.engine.server.protocol import (
+    ChatCompletionRequest,
+    CloseSessionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+)
 from hotswap.engine.server.serving import (
     CLIENT_GONE,
     GuardMiddleware,
@@ -107,6 +114,19 @@ async def list_models(state: State) -> Response:
 @inference.get("/list_lora_adapters")
 async def list_lora_adapters(state: State) -> Response:
     return json_response(state.engine.list_lora_adapters())
+
+
+@inference.post("/open_session")
+async def open_session(state: State, body: OpenSessionRequest) -> Response:
+    session = await asyncio.to_thread(state.engine.open_session, body.ttl_s, body.session_id)
+    return json_response({"session_id": session})
+
+
+@inference.post("/close_session")
+async def close_session(state: State, body: CloseSessionRequest) -> Response:
+    if not await asyncio.to_thread(state.engine.close_session, body.session_id):
+        raise HTTPException(404, f"session_id {body.session_id!r}: no such session is open")
+    return json_response({"success": True})
 
 
 @inference.post("/generate")

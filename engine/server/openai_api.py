@@ -170,6 +170,8 @@ def _add_logprobs(kwargs: dict[str, Any], top: int | None) -> None:
 def _add_common(kwargs: dict[str, Any], req: SamplingFields) -> None:
     if req.cache_salt is not None:
         kwargs["cache_salt"] = req.cache_salt
+    if req.session_id is not None:
+        kwargs["session_id"] = req.session_id
 
 
 def _include_usage(req: SamplingFields) -> bool:

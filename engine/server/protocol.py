@@ -88,6 +88,7 @@ class SamplingFields(Body):
     stop_token_ids: list[NonNegInt] | None = None
     regex: str | None = None
     cache_salt: str | None = None
+    session_id: Text | None = None  # an open session's (/open_session): the turn stays pinned
 
 
 class CompletionRequest(SamplingFields):
@@ -273,6 +274,7 @@ class GenerateRequest(Body):
     rid: str | list[str | None] | None = None
     stream: bool = False
     return_routed_experts: bool = False
+    session_id: str | list[str | None] | None = None
     # SGLang's names and fields (translated or refused in sglang_compat.py).
     text: str | list[str] | None = None
     image_data: Any = None
@@ -281,6 +283,15 @@ class GenerateRequest(Body):
     lora_path: str | list[str | None] | None = None
     custom_logit_processor: Any = None
     return_text_in_logprobs: bool | None = None
+
+
+class OpenSessionRequest(Body):
+    ttl_s: float = Field(300.0, gt=0)
+    session_id: Text | None = None
+
+
+class CloseSessionRequest(Body):
+    session_id: Text
 
 
 class UpdateFromDiskRequest(Body):

@@ -116,6 +116,27 @@ def test_openai_routes_and_streams_pass_through(cluster):
     assert flushed["success"] and set(flushed["servers"]) == set(cluster["urls"])
 
 
+def test_a_session_sticks_to_the_server_that_opened_it(cluster):
+    router = cluster["router"]
+    opened = httpx.post(f"{router}/open_session", json={"ttl_s": 30}, timeout=30)
+    assert opened.status_code == 200
+    session = opened.json()["session_id"]
+    holders = set()
+    for prompt in (PREFIX_1 + " One?", PREFIX_2 + " Two?", "Three?"):  # no shared prefix
+        r = httpx.post(f"{router}/generate", timeout=60, json={
+            "prompt": prompt, "sampling_params": GREEDY, "session_id": session})
+        assert r.status_code == 200, r.text
+        holders.add(r.headers["x-hotswap-server"])
+    assert len(holders) == 1
+    unknown = httpx.post(f"{router}/generate", timeout=60, json={
+        "prompt": "x", "sampling_params": GREEDY, "session_id": "no-such-session"})
+    assert unknown.status_code == 400 and "no such session" in unknown.text
+    closed = httpx.post(f"{router}/close_session", json={"session_id": session}, timeout=30)
+    assert closed.status_code == 200
+    again = httpx.post(f"{router}/close_session", json={"session_id": session}, timeout=30)
+    assert again.status_code == 404
+
+
 def test_update_refused_by_one_server_leaves_both_on_the_old_version(cluster):
     router, urls = cluster["router"], cluster["urls"]
     probe = "The quick brown fox"

@@ -140,3 +140,16 @@ def test_a_forced_call_grammar_makes_every_turn_a_real_call(engine):
         assert traj.finish_reason == "max_turns" and traj.parse_errors == 0
         assert traj.tool_calls == 1  # the first turn's call ran; the second turn hit max_turns
     assert len(seen) == 4 and all(0 <= a <= 99 and 0 <= b <= 99 for a, b in seen)
+
+
+def test_sessions_keep_each_trajectory_pinned_between_turns(engine):
+    """With sessions=True every trajectory holds a session while its tools run: each later
+    turn finds all of its previous turns in the cache, and the sessions close at the end."""
+    loop = ToolLoop({"mul": lambda a, b: a * b}, max_turns=3, parse=always_calls,
+                    max_new_tokens=6, sessions=True)
+    client = TokenClient(engine, sampling={"temperature": 1.0})
+    trajs = loop.run_group(client, {"messages": MESSAGES}, 3, group_id=0, seed=2)
+    assert len({tuple(t.response_ids) for t in trajs}) == 3  # each its own seed
+    assert all(t.num_turns == 3 for t in trajs)
+    assert engine.get_load()["sessions"] == 0
+    engine.check_integrity()

@@ -320,5 +320,19 @@ def test_lora_adapters(client, models):
     assert client.list_lora_adapters() == {}
 
 
+def test_sessions(client, models):
+    session = client.open_session(ttl_s=60)
+    first = client.generate(PROMPTS[0], GREEDY, session_id=session)
+    assert first["output_ids"] == models["out_a"][0]["output_ids"]
+    again = client.generate(PROMPTS[0], GREEDY, session_id=session)
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] > 0  # the replica holding the session
+    with pytest.raises(ValueError, match="no such session"):
+        client.generate(PROMPTS[0], GREEDY, session_id="no-such-session")
+    assert client.close_session(session) is True
+    assert client.close_session(session) is False
+    client.check_integrity()
+
+
 def test_zz_every_interface_method_was_called(client):
     assert client.called == interface_methods() - {"shutdown"}
