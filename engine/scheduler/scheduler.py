@@ -241,7 +241,8 @@ class Scheduler(SchedulerControl):
         if req in self.running:
             self.running.remove(req)
         self._keep_routes(req)
-        if req.session_id is not None and reason.type != "abort" and self.is_live(req):
+        if (req.session_id is not None and reason.type != "abort"
+                and req.req_pool_idx is not None and self.is_live(req)):
             self.kv.cache_unfinished(req)  # the turn's KV into the tree, then pinned there
             self.sessions.pin(req.session_id, req.last_node)
         self.kv.release(req)

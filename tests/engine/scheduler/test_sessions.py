@@ -99,3 +99,26 @@ def test_unknown_sessions_expiry_and_bad_arguments(engine) -> None:
     assert engine.get_load()["sessions"] == 0
     assert not engine.close_session(short)
     engine.check_integrity()
+
+
+def test_the_pin_budget_drops_the_least_recently_used_session_s_pin(engine) -> None:
+    """The budget is half of the 768-token pool: two 300-token conversations do not both fit,
+    so the older one's pin goes and the other traffic evicts its prefix."""
+    engine.flush_cache()
+    first, second = engine.open_session(ttl_s=60), engine.open_session(ttl_s=60)
+    prompts = {first: [11 + i % 97 for i in range(300)], second: [13 + i % 89 for i in range(300)]}
+    outs = {}
+    for session in (first, second):
+        outs[session] = engine.generate(input_ids=prompts[session], session_id=session,
+                                        sampling_params={"max_new_tokens": 2,
+                                                         "ignore_eos": True})
+    _flood(engine, 9)
+    prefilled = {}
+    for session in (first, second):
+        ids = prompts[session] + outs[session]["output_ids"] + [5, 6, 7]
+        meta = engine.generate(input_ids=ids, session_id=session,
+                               sampling_params={"max_new_tokens": 1})["meta_info"]
+        prefilled[session] = meta["prompt_tokens"] - meta["cached_tokens"]
+    assert prefilled[second] == 4 and prefilled[first] > 100, prefilled
+    assert engine.close_session(first) and engine.close_session(second)
+    engine.check_integrity()
