@@ -40,7 +40,7 @@ EXTRAS: dict[type, set[str]] = {
     Engine: {"get_load", "prepare_weights_from_tensor"},  # tensors in hand: in-process only
     RemoteEngine: {"health", "get_metrics"},
     Router: {"choose", "done", "mark_down", "least_loaded", "members", "call_each",
-             "call_each_indexed", "headers"},
+             "call_each_indexed", "headers", "session_server"},
     RayFleet: {"members", "call_each", "call_each_indexed", "scale", "replicas_info"},
 }
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
