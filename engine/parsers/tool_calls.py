@@ -21,6 +21,7 @@ around each call's arguments that grammar.py constrains.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +177,7 @@ class ObjectScanner:
             self.expect = "next"
 
 
-class ToolParser:
+class ToolParser(ABC):
     name = ""
     args_key = "arguments"  # the key render and grammar.py write the arguments under
     opening = closing = ""  # around all of a turn's calls
@@ -184,8 +185,9 @@ class ToolParser:
     call_open = close_tag = ""  # before and after each call's object (its tags)
     triggers: tuple[str, ...] = ()  # text that opens calls in free text (streaming.py)
 
+    @abstractmethod
     def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        """The calls in a turn's text, the content around them, and what did not parse."""
 
     def begin(self, name: str) -> str:
         """The text of a call up to its arguments object."""

@@ -26,25 +26,30 @@ _TURNS = (
     "{%- elif m.role == 'assistant' %}{{ OPEN_ASSISTANT }}{{ m.content }}{{ END }}"
     "{%- else %}{{ OPEN_ROLE }}{{ m.content }}{{ END }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{ OPEN_ASSISTANT }}{%- endif %}")
+
+
+def _family(open_assistant: str, open_role: str, end: str, calls: str) -> str:
+    """A template of one family: its turn markers, and how it writes an assistant's calls."""
+    return (_TURNS.replace("OPEN_ASSISTANT", open_assistant).replace("OPEN_ROLE", open_role)
+            .replace("END", end).replace("CALLS", calls) + "{# tools #}")
+
+
 TEMPLATES = {
-    "hermes": _TURNS.replace("OPEN_ASSISTANT", "'<|im_start|>assistant\\n'").replace(
-        "OPEN_ROLE", "'<|im_start|>' + m.role + '\\n'").replace("END", "'<|im_end|>\\n'")
-    .replace("CALLS", "{%- for c in m.tool_calls %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
-             "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-             "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}")
-    + "{# tools #}",
-    "llama3": _TURNS.replace("OPEN_ASSISTANT", "'<|start_header_id|>assistant<|end_header_id|>"
-                             "\\n\\n'").replace(
-        "OPEN_ROLE", "'<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n'").replace(
-        "END", "'<|eot_id|>'")
-    .replace("CALLS", "{%- set c = m.tool_calls[0] %}{\"name\": \"{{ c.function.name }}\", "
-             "\"parameters\": {{ c.function.arguments | tojson }}}") + "{# tools #}",
-    "mistral": _TURNS.replace("OPEN_ASSISTANT", "''").replace(
-        "OPEN_ROLE", "'[INST] '").replace("END", "'</s>'")
-    .replace("CALLS", "[TOOL_CALLS][{%- for c in m.tool_calls %}{% if not loop.first %}, "
-             "{% endif %}{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-             "{{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}{%- endfor %}]")
-    + "{# tools #}",
+    "hermes": _family(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>' + m.role + '\\n'", "'<|im_end|>\\n'",
+        "{%- for c in m.tool_calls %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+        "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+        "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}"),
+    "llama3": _family(
+        "'<|start_header_id|>assistant<|end_header_id|>\\n\\n'",
+        "'<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n'", "'<|eot_id|>'",
+        "{%- set c = m.tool_calls[0] %}{\"name\": \"{{ c.function.name }}\", "
+        "\"parameters\": {{ c.function.arguments | tojson }}}"),
+    "mistral": _family(
+        "''", "'[INST] '", "'</s>'",
+        "[TOOL_CALLS][{%- for c in m.tool_calls %}{% if not loop.first %}, "
+        "{% endif %}{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+        "{{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}{%- endfor %}]"),
 }
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{1,6}$"},
