@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "int8")
+SPECULATIVE = (None, "ngram", "self")
 # CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # What bf16 costs without them (bench/throughput.py, batch 64, under HOTSWAP_CPU_ISA=avx2).
@@ -227,6 +228,14 @@ class EngineConfig:
     # MoE models: requests may ask for the experts every token was routed to
     # (return_routed_experts); each KV slot then also holds its token's routing (docs/moe.md).
     enable_return_routed_experts: bool = False
+    # Speculative decoding (engine/speculative/): "ngram" drafts from the request's own prompt
+    # and output, "self" from the policy's own first speculative_self_layers layers (None:
+    # calibrated on the first running requests). The target verifies every draft, so tokens,
+    # logprobs and versions are the target's; the draft length of a step follows measured
+    # acceptance and step times, up to speculative_num_draft_tokens (0 where it does not pay).
+    speculative: str | None = None
+    speculative_num_draft_tokens: int = 6
+    speculative_self_layers: int | None = None
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
@@ -255,6 +264,7 @@ class EngineConfig:
         self._check_hicache()
         self._check_quantization(device)
         self._check_routed_experts(model)
+        self._check_speculative(model)
         if self.ep_size != 1:
             raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
                              "tp_size splits every expert over the ranks instead")
@@ -297,6 +307,25 @@ class EngineConfig:
         if self.enable_hierarchical_cache:
             raise ValueError("enable_return_routed_experts with enable_hierarchical_cache: the "
                              "host and storage tiers do not keep the routing of their KV")
+
+    def _check_speculative(self, model: ModelConfig) -> None:
+        if self.speculative == "draft":
+            raise ValueError('speculative="draft" (a separate draft model) is not implemented; '
+                             'use "ngram" or "self" (docs/api.md#speculative-decoding)')
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, got "
+                             f"{self.speculative!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise ValueError("speculative_num_draft_tokens must be in [1, 16], got "
+                             f"{self.speculative_num_draft_tokens}")
+        layers = self.speculative_self_layers
+        if layers is not None and (self.speculative != "self"
+                                   or not 1 <= layers < model.num_layers):
+            raise ValueError(f"speculative_self_layers={layers}: needs speculative='self' and "
+                             f"a value in [1, {model.num_layers - 1}]")
+        if self.speculative is not None and self.deterministic:
+            raise ValueError("speculative with deterministic=True: the draft length follows "
+                             "measured step times, so a request's arithmetic would not be fixed")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

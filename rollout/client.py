@@ -35,6 +35,9 @@ class Completion:
     extra: dict[str, Any] = field(default_factory=dict)
     # TokenClient(routed_experts=True): [prompt + output - 1, moe_layers, top_k], see docs/moe.md
     routed_experts: np.ndarray | None = None
+    # Speculative engines: verify steps and the drafted tokens they kept (meta_info's spec_*)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def finish_type(self) -> str:
@@ -68,7 +71,7 @@ class TokenClient:
         self.routed_experts = routed_experts
         self.cancelled = threading.Event()  # set by collect()/AsyncRollout to stop resubmitting
         self.stats = {"requests": 0, "resubmits": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "completion_tokens": 0}
+                      "completion_tokens": 0, "spec_verify_steps": 0, "spec_accepted_tokens": 0}
         self._lock = threading.Lock()
         self._rids = itertools.count()
         self._prefix = f"tc{id(self):x}"
@@ -168,7 +171,9 @@ class TokenClient:
         return Completion(ids, logprobs, versions_per_token(meta["weight_versions"], len(ids)),
                           dict(meta["finish_reason"] or {"type": "abort"}),
                           cached_tokens=int(meta.get("cached_tokens", 0)), text=out["text"],
-                          routed_experts=meta.get("routed_experts"))
+                          routed_experts=meta.get("routed_experts"),
+                          spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
+                          spec_accepted_tokens=int(meta.get("spec_accepted_tokens", 0)))
 
     def _finish_interrupted(self, prompt: list[int], comp: Completion, params: dict
                             ) -> Completion:
@@ -184,7 +189,10 @@ class TokenClient:
                               comp.versions + more.versions, more.finish_reason,
                               comp.cached_tokens, comp.resubmits + 1, comp.text + more.text,
                               routed_experts=extend_routes(comp.routed_experts,
-                                                           more.routed_experts))
+                                                           more.routed_experts),
+                              spec_verify_ct=comp.spec_verify_ct + more.spec_verify_ct,
+                              spec_accepted_tokens=(comp.spec_accepted_tokens
+                                                    + more.spec_accepted_tokens))
         if self._should_resubmit(comp):  # the budget ran out exactly at the interruption
             comp.finish_reason = {"type": "length", "matched": None, "message": None}
         return comp
@@ -202,3 +210,5 @@ class TokenClient:
             self.stats["prompt_tokens"] += sum(len(p) for p in prompts) * n
             self.stats["cached_tokens"] += sum(c.cached_tokens for c in comps)
             self.stats["completion_tokens"] += sum(len(c.output_ids) for c in comps)
+            self.stats["spec_verify_steps"] += sum(c.spec_verify_ct for c in comps)
+            self.stats["spec_accepted_tokens"] += sum(c.spec_accepted_tokens for c in comps)

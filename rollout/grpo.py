@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tis-mode", choices=MODES, default="token",
                    help="--tis: token (truncated) or sequence (drop sequences whose ratio "
                         "leaves [1/C, C])")
+    p.add_argument("--speculative", choices=["ngram", "self"], default=None,
+                   help="speculative decoding in the engine (docs/api.md#speculative-decoding); "
+                        "the table's 'spec acc' column: drafted tokens kept per verify step")
     p.add_argument("--routing-replay", action="store_true",
                    help="MoE models: the engine returns every token's experts and the "
                         "trainer's forward routes to them (rollout/routing_replay.py)")
@@ -145,6 +148,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["quantization"] = args.quantization
     if args.routing_replay:
         options["enable_return_routed_experts"] = True
+    if args.speculative:
+        options["speculative"] = args.speculative
     return options
 
 

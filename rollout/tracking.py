@@ -21,7 +21,9 @@ COLUMNS = [
     ("tools/correct", "right", 5, ".2f"), ("tools/call_rate", "calls", 5, ".2f"),
     ("tools/parse_fail_rate", "bad call", 8, ".2f"), ("tools/turns", "turns", 5, ".2f"),
     ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
-    ("rollout/cache_hit_rate", "cache", 5, ".2f"), ("staleness/version_lag_max", "lag", 3, ".0f"),
+    ("rollout/cache_hit_rate", "cache", 5, ".2f"),
+    ("rollout/spec_accept_len", "spec acc", 8, ".2f"),
+    ("staleness/version_lag_max", "lag", 3, ".0f"),
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
     ("mismatch/tis_truncated", "tis cut", 7, ".3f"),
     ("time/rollout_s", "roll s", 6, ".1f"), ("time/train_s", "train s", 7, ".1f"),
@@ -127,6 +129,8 @@ def batch_metrics(batch: RolloutBatch, engine_version: int | None = None) -> dic
     stats = batch.meta.get("client_stats")
     if stats and stats.get("prompt_tokens"):
         out["rollout/cache_hit_rate"] = stats["cached_tokens"] / stats["prompt_tokens"]
+    if stats and stats.get("spec_verify_steps"):  # drafted tokens kept per verify step
+        out["rollout/spec_accept_len"] = stats["spec_accepted_tokens"] / stats["spec_verify_steps"]
     if batch.meta.get("seconds"):
         out["rollout/tokens_per_s"] = sum(len(r) for r in batch.response_ids) / batch.meta[
             "seconds"]

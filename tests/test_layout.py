@@ -17,7 +17,7 @@ PACKAGES = {"engine": "hotswap.engine", "weight_sync": "hotswap.weight_sync",
 
 E = "hotswap.engine"
 _EXECUTOR_SIDE = (f"{E}.executor", f"{E}.attention", f"{E}.layers", f"{E}.models", f"{E}.lora",
-                  f"{E}.grammar", f"{E}.distributed")
+                  f"{E}.grammar", f"{E}.distributed", f"{E}.speculative")
 # The interface's rules (pause modes, MAX_N) sit in client.protocol, which imports nothing.
 _BASE = (f"{E}.config", f"{E}.errors", f"{E}.core", f"{E}.client.protocol")
 # Area (longest matching prefix wins) -> the hotswap modules it may import (prefixes).

@@ -48,6 +48,9 @@ class ForwardBatch:
     # [T, moe_layers, top_k]: the MoE layers write each token's experts here when the pool
     # keeps routing (enable_return_routed_experts); set by the ModelRunner
     routes: Any = field(default=None, repr=False)
+    # Run only the first num_layers decoder layers, then the final norm and head: a self-draft
+    # (engine/speculative/self_draft.py). None: every layer.
+    num_layers: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -107,6 +107,11 @@ class Req:
     prefill_done: bool = False
     admit_seq: int = 0
     detok: IncrementalDetokenizer | None = None
+    # Speculative decoding (engine/speculative/): the drafter's state for this request, and
+    # how many verify steps it ran and how many drafted tokens they kept.
+    spec_state: Any = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
     stop_scan_from: int = 0
     streamed_ids: int = 0
     streamed_text: int = 0

@@ -123,6 +123,7 @@ class SamplingParams:
     choices: tuple[str, ...] | None = None
     logit_bias: dict[int, float] | None = None
     logprob_mode: str = "processed"
+    speculative: bool = True  # False: this request never speculates (the engine's speculative)
 
     def __post_init__(self) -> None:
         for name, value in _normalised_fields(self).items():
@@ -195,6 +196,7 @@ def _normalised_fields(p: SamplingParams) -> dict[str, Any]:
         "n": _as_int("n", p.n, lo=1, hi=MAX_N),
         "ignore_eos": _as_bool("ignore_eos", p.ignore_eos),
         "skip_special_tokens": _as_bool("skip_special_tokens", p.skip_special_tokens),
+        "speculative": _as_bool("speculative", p.speculative),
         "stop": _as_str_list("stop", p.stop, allow_str=True) if p.stop is not None else (),
         "stop_token_ids": _as_token_ids("stop_token_ids", p.stop_token_ids or ()),
     }

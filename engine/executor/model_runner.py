@@ -161,7 +161,7 @@ class ModelRunner:
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         pool = self.kv_pool
-        if pool.routes is None:
+        if pool.routes is None or fb.num_layers is not None:  # a draft's routing is not kept
             return self.model(fb)
         fb.routes = torch.empty((fb.num_tokens, *pool.route_shape), dtype=pool.routes.dtype,
                                 device=self.device)

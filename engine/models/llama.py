@@ -167,10 +167,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.make_mlp(cfg, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # _forward_fused's layers by (at most SMALL_ROWS rows, dtype), built on first use: they
-        # hold the weights and packed copies, so LlamaForCausalLM.pack_weights (called whenever
-        # the weights change) clears them.
-        self.fused_layers: dict[tuple[bool, torch.dtype], torch.ScriptObject] = {}
+        # _forward_fused's layers by (at most SMALL_ROWS rows, dtype, layer count), built on
+        # first use: they hold the weights and packed copies, so LlamaForCausalLM.pack_weights
+        # (called whenever the weights change) clears them.
+        self.fused_layers: dict[tuple[bool, torch.dtype, int], torch.ScriptObject] = {}
 
     def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
         """Layer layer_id's MLP (a subclass's hook: MoE models put experts here)."""
@@ -179,28 +179,29 @@ class LlamaModel(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
         fb.rope = self.rotary.lookup(fb.positions, x.dtype)
+        count = len(self.layers) if fb.num_layers is None else fb.num_layers
         step = self._fused_decode_inputs(fb)
         if step is not None:
-            return self._forward_fused(x, fb, step)
-        for layer in self.layers:
+            return self._forward_fused(x, fb, step, count)
+        for layer in self.layers[:count]:
             x = layer(x, fb)
         return x
 
-    def _forward_fused(self, x: torch.Tensor, fb: ForwardBatch, step: FusedDecodeInputs
-                       ) -> torch.Tensor:
-        """The layers' forward() for a decode-only CPU step in one kernel call: the same ops,
-        without ~20 Python-dispatched ones per layer."""
-        key = (len(x) <= SMALL_ROWS, x.dtype)
+    def _forward_fused(self, x: torch.Tensor, fb: ForwardBatch, step: FusedDecodeInputs,
+                       count: int) -> torch.Tensor:
+        """The first `count` layers' forward() for a decode-only CPU step in one kernel call:
+        the same ops, without ~20 Python-dispatched ones per layer."""
+        key = (len(x) <= SMALL_ROWS, x.dtype, count)
         layers = self.fused_layers.get(key)
         if layers is None:
-            layers = self.fused_layers[key] = self._build_fused_layers(x)
+            layers = self.fused_layers[key] = self._build_fused_layers(x, count)
         return cpu_kernels.decode_layers(
-            x, layers, step.k_buffers, step.v_buffers, fb.rope.cos, fb.rope.sin,
+            x, layers, step.k_buffers[:count], step.v_buffers[:count], fb.rope.cos, fb.rope.sin,
             step.out_cache_loc, step.req_to_token, step.req_idx, step.seq_lens, step.scale)
 
-    def _build_fused_layers(self, x: torch.Tensor) -> torch.ScriptObject:
-        """Every layer's weights for steps like x, as linear() multiplies them on the path it
-        takes for such steps."""
+    def _build_fused_layers(self, x: torch.Tensor, count: int) -> torch.ScriptObject:
+        """The first `count` layers' weights for steps like x, as linear() multiplies them on
+        the path it takes for such steps."""
         attn = self.layers[0].self_attn
         path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x,  # x: the residual
                            attn.qkv_proj.quant)
@@ -215,7 +216,8 @@ class LlamaModel(nn.Module):
                 layer.post_attention_layernorm.weight, gate_up, down,
                 qkv_quant, o_quant, gate_up_quant, down_quant)
 
-        return cpu_kernels.decode_stack(map(layer_weights, self.layers), self.cfg.rms_norm_eps,
+        return cpu_kernels.decode_stack(map(layer_weights, self.layers[:count]),
+                                        self.cfg.rms_norm_eps,
                                         path, self.cfg.num_heads)
 
     def _fused_decode_inputs(self, fb: ForwardBatch) -> FusedDecodeInputs | None:

@@ -165,6 +165,18 @@ class KVManager:
             req.kv_slots = torch.cat((req.kv_slots, part))
         return slots
 
+    def truncate(self, req: Req, length: int) -> None:
+        """Keep `req`'s KV of its first `length` tokens only (a verify step's rejected drafts
+        go): the pages that held nothing else go back to the pool."""
+        dropped = req.kv_slots[length:]
+        if dropped.numel() == 0:
+            return
+        req.kv_slots = req.kv_slots[:length]
+        ps = self.page_size
+        if ps > 1 and length % ps:  # the kept tokens' last page stays
+            dropped = dropped[dropped // ps != int(req.kv_slots[-1]) // ps]
+        self.allocator.free(dropped)
+
     def cache_unfinished(self, req: Req) -> None:
         """Hand the computed, page-aligned tokens to the tree so other requests can match them.
 

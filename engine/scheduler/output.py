@@ -115,6 +115,8 @@ class OutputProcessor:
             "weight_version": req.version_spans[-1].version if req.version_spans else None,
             "weight_versions": [_span(s) for s in req.version_spans],
             "num_retractions": req.num_retractions,
+            "spec_verify_ct": req.spec_verify_ct,  # verify steps; each kept accepted / ct drafts
+            "spec_accepted_tokens": req.spec_accepted_tokens,
             "e2e_latency": time.perf_counter() - req.created,
         }
         if req.lora_name is not None:

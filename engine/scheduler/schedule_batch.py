@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,9 @@ class BatchRow:
     req: Req
     extend: int  # new tokens computed this step
     samples: bool  # the row's last new token samples the next output token
+    # Speculative decoding: drafted tokens fed after the row's last token; every one of the
+    # row's 1 + len(draft) positions samples (engine/speculative/verify.py)
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -30,16 +33,29 @@ class ScheduleBatch:
     def build(cls, rows: list[BatchRow], device: torch.device) -> ScheduleBatch:
         """Rows must already hold KV slots for their new tokens (KVManager.alloc)."""
         ids: list[int] = []
-        slots, prefix, extend, logits_idx = [], [], [], []
+        slots, prefix, extend, logits_idx, pool_rows = [], [], [], [], []
         for row in rows:
             req = row.req
             start = req.kv_len - row.extend
-            ids.extend(req.fill_ids[start: req.kv_len])
             slots.append(req.kv_slots[start:])
+            if row.draft:
+                # A verify row runs as 1 + len(draft) one-token rows of the same request at
+                # consecutive positions: every backend stores a layer's new K/V before any row
+                # attends, so position j sees the drafts before it, and the step stays a
+                # decode step (the fused CPU kernel) instead of a short extend.
+                tokens = req.fill_ids[start:] + row.draft
+                logits_idx.extend(range(len(ids), len(ids) + len(tokens)))
+                ids.extend(tokens)
+                prefix.extend(range(start, req.kv_len))
+                extend.extend([1] * len(tokens))
+                pool_rows.extend([req.req_pool_idx] * len(tokens))
+                continue
+            ids.extend(req.fill_ids[start: req.kv_len])
             prefix.append(start)
             extend.append(row.extend)
+            pool_rows.append(req.req_pool_idx)
             if row.samples:
                 logits_idx.append(len(ids) - 1)
-        fb = ForwardBatch.build(ids, torch.cat(slots), [r.req.req_pool_idx for r in rows],
-                                prefix, extend, logits_idx, device=device)
+        fb = ForwardBatch.build(ids, torch.cat(slots), pool_rows, prefix, extend, logits_idx,
+                                device=device)
         return cls(rows, fb)

@@ -38,6 +38,8 @@ from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
 from hotswap.engine.scheduler.sessions import Sessions
+from hotswap.engine.speculative.speculator import Speculator
+from hotswap.engine.speculative.verify import accepted_length
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,6 +64,8 @@ class Scheduler(SchedulerControl):
                                        runner.model_config.vocab_size, outputs.eos_ids,
                                        runner.device)
         self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
+        self.spec = (Speculator(config, runner, self.lora.prepare) if config.speculative
+                     else None)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)
         self.ratio = NewTokenRatio()
         self.waiting: list[Req] = []
@@ -73,7 +77,10 @@ class Scheduler(SchedulerControl):
         self.paused = False
         self.admission_held = False  # set while a flush waits for running requests to drain
         self.stats = {"prefill_tokens": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "cached_tokens": 0, "steps": 0, "step_s": 0.0}
+                      "cached_tokens": 0, "steps": 0, "step_s": 0.0,
+                      # verify rows, drafted tokens they fed and kept, seconds spent drafting
+                      "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                      "spec_draft_s": 0.0}
         self._admit_counter = 0
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
@@ -294,8 +301,10 @@ class Scheduler(SchedulerControl):
         if batch is None:
             return False
         version = self.serving.label
+        decode_only = all(row.req.prefill_done for row in batch.rows)
+        generated = self.stats["generated_tokens"]
         # Grammar masks of this step's rows are filled on a worker while the forward runs.
-        masks = self.grammars.prefetch([row.req for row in batch.sampling_rows])
+        masks = self.grammars.prefetch(self._sampled_reqs(batch.sampling_rows))
         if self.config.deterministic:
             logits = torch.cat([self.runner.forward(self._with_lora(
                 ScheduleBatch.build([row], self.runner.device))) for row in batch.rows])
@@ -304,8 +313,16 @@ class Scheduler(SchedulerControl):
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
         self._process(batch, logits, version, masks)
-        self.stats["step_s"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats["step_s"] += seconds
+        if self.spec is not None and decode_only:
+            self.spec.record(len(batch.rows), self.stats["generated_tokens"] - generated, seconds)
         return True
+
+    @staticmethod
+    def _sampled_reqs(rows: list[BatchRow]) -> list[Req]:
+        """The request of every sampled position, in logits order (a verify row has several)."""
+        return [row.req for row in rows for _ in range(1 + len(row.draft))]
 
     def _with_lora(self, batch: ScheduleBatch) -> ForwardBatch:
         rows = batch.rows
@@ -322,10 +339,20 @@ class Scheduler(SchedulerControl):
 
     def _reserve_decode(self) -> list[BatchRow]:
         decode = [r for r in self.running if r.prefill_done]
+        start = time.perf_counter()
+        plan = self.spec.plan(decode) if self.spec is not None and decode else None
         while decode:
-            if self.kv.alloc(decode, [1] * len(decode)) is not None:
+            lens = [1] * len(decode) if plan is None else [
+                1 + (p if isinstance(p, int) else len(p)) for p in plan]
+            if self.kv.alloc(decode, lens) is not None:
                 self.ratio.step()
-                return [BatchRow(r, 1, True) for r in decode]
+                drafts = self._drafts(decode, plan)
+                if plan is not None:
+                    self.stats["spec_draft_s"] += time.perf_counter() - start
+                return [BatchRow(r, 1 + len(d), True, d) for r, d in zip(decode, drafts)]
+            if plan is not None:  # short of KV: no drafts this step before any retraction
+                plan = self.spec.skip()
+                continue
             if len(self.running) == 1:
                 self.finish(decode[0], FinishReason(
                     "abort", message="KV pool too small for this request's context"))
@@ -335,6 +362,15 @@ class Scheduler(SchedulerControl):
             self.retract(victim)
             self.ratio.reset()
         return []
+
+    def _drafts(self, decode: list[Req], plan: list[list[int]] | list[int] | None
+                ) -> list[list[int]]:
+        """The drafted tokens of each decode row (rows hold their slots now)."""
+        if plan is None:
+            return [[] for _ in decode]
+        if self.spec.kind == "self":
+            return self.spec.propose(decode, plan)
+        return plan
 
     def _reserved_tokens(self) -> int:
         return int(sum(r.remaining_new_tokens for r in self.running) * self.ratio.value)
@@ -401,22 +437,31 @@ class Scheduler(SchedulerControl):
             if not row.samples:  # a chunk: share what is computed so far
                 self.kv.cache_unfinished(row.req)
         rows, logits = self._fail_non_finite(batch.sampling_rows, logits, version)
-        # (request, logits row) pairs; forked samples read their leader's row
-        entries = [(row.req, i) for i, row in enumerate(rows)]
-        for req, i in list(entries):
+        # (request, its first logits row, its draft); forked samples read their leader's row
+        entries, first = [], 0
+        for row in rows:
+            entries.append((row.req, first, row.draft))
+            first += 1 + len(row.draft)
+        for req, i, _ in list(entries):
             if not req.prefill_done:
                 req.prefill_done = True
                 self.kv.cache_unfinished(req)
-                entries += [(fork, i) for fork in self._start_forks(req)]
+                entries += [(fork, i, []) for fork in self._start_forks(req)]
         if not entries:
             return
-        if len(entries) > logits.shape[0]:
-            logits = logits[torch.tensor([i for _, i in entries], device=logits.device)]
-        reqs = [req for req, _ in entries]
+        # One sampling row per position: position j of a verify row has seen draft[:j].
+        reqs, take, outputs, steps = [], [], [], []
+        for req, i, draft in entries:
+            for j in range(len(draft) + 1):
+                reqs.append(req)
+                take.append(i + j)
+                outputs.append(req.output_ids + draft[:j] if j else req.output_ids)
+                steps.append(len(req.output_ids) + j)
+        if take != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(take, device=logits.device)]
         info = SamplingBatchInfo.build(
-            [r.params for r in reqs], [r.output_ids for r in reqs], [r.prompt_ids for r in reqs],
-            [len(r.output_ids) for r in reqs], self.outputs.eos_ids,
-            logits.shape[-1], logits.device)
+            [r.params for r in reqs], outputs, [r.prompt_ids for r in reqs], steps,
+            self.outputs.eos_ids, logits.shape[-1], logits.device)
         masks = self.grammars.step_masks(reqs, prefetched_masks, logits.device)
         if masks is not None:
             info.grammar_rows, info.grammar_bitmask = masks
@@ -427,21 +472,45 @@ class Scheduler(SchedulerControl):
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if want_logprob else [0.0] * len(reqs)
         tops = self._top_lists(out, reqs)
-        for i, req in enumerate(reqs):
-            req.output_ids.append(next_ids[i])
+        pos = 0
+        for req, _, draft in entries:
+            n = len(draft) + 1
+            self._emit(req, draft, next_ids[pos: pos + n], logprobs[pos: pos + n],
+                       tops[pos: pos + n], version)
+            pos += n
+
+    def _emit(self, req: Req, draft: list[int], tokens: list[int], logprobs: list[float],
+              tops: list[Any], version: str) -> None:
+        """Append what one row sampled: its next token or, after a verify, the drafts the
+        target's draws kept and the target's own next token (engine/speculative/verify.py)."""
+        kept = accepted_length(draft, tokens) if draft else 0
+        adapter = None if req.lora_name is None else self.lora.version(req.lora_name)
+        reason = None
+        for j in range(kept + 1):
+            req.output_ids.append(tokens[j])
             if req.return_logprob:
-                req.output_logprobs.append(logprobs[i])
+                req.output_logprobs.append(logprobs[j])
             if req.top_logprobs_num:
-                req.output_top_logprobs.append(tops[i][: req.top_logprobs_num])
-            req.stamp(version, None if req.lora_name is None else self.lora.version(req.lora_name))
+                req.output_top_logprobs.append(tops[j][: req.top_logprobs_num])
+            req.stamp(version, adapter)
             self.stats["generated_tokens"] += 1
             reason = self.grammars.accept(req) if req.grammar is not None else None
             reason = reason or self.outputs.check_finish(req)
             if reason is not None:
-                self.finish(req, reason)
-            elif req.stream and not self.outputs.emit(req):
-                self.finish(req, FinishReason("abort", message="its output could not be "
-                                              "delivered (the consumer is gone)"))
+                break
+        if draft:
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += kept
+            self.stats["spec_verify_steps"] += 1
+            self.stats["spec_draft_tokens"] += len(draft)
+            self.stats["spec_accepted_tokens"] += kept
+            # KV of verified tokens only: every token but the newest (which has none yet)
+            self.kv.truncate(req, len(req.prompt_ids) + len(req.output_ids) - 1)
+        if reason is not None:
+            self.finish(req, reason)
+        elif req.stream and not self.outputs.emit(req):
+            self.finish(req, FinishReason("abort", message="its output could not be "
+                                          "delivered (the consumer is gone)"))
 
     def _fail_non_finite(self, rows: list[BatchRow], logits: torch.Tensor, version: str
                          ) -> tuple[list[BatchRow], torch.Tensor]:
@@ -452,12 +521,17 @@ class Scheduler(SchedulerControl):
         finite = torch.isfinite(logits).all(-1).tolist()
         message = (f"the model produced non-finite logits (NaN or inf) under weight version "
                    f"{version!r}; the request was stopped")
-        for row, ok in zip(rows, finite, strict=True):
-            if not ok:
+        kept_rows, keep, first = [], [], 0
+        for row in rows:  # a verify row owns 1 + len(draft) logits rows
+            span = range(first, first + 1 + len(row.draft))
+            first = span.stop
+            if all(finite[i] for i in span):
+                kept_rows.append(row)
+                keep.extend(span)
+            else:
                 self.kv.release(row.req, cache=False)
                 self.finish(row.req, FinishReason("abort", message=message))
-        keep = [i for i, ok in enumerate(finite) if ok]
-        return [rows[i] for i in keep], logits[keep]
+        return kept_rows, logits[keep]
 
     def _start_forks(self, leader: Req) -> list[Req]:
         """Start the samples waiting on `leader`'s prompt; those that cannot go to the queue."""

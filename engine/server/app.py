@@ -286,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disable-prefix-cache", action="store_true")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--deterministic", action="store_true")
+    e.add_argument("--speculative", default=None, choices=["ngram", "self"],
+                   help="speculative decoding: n-gram drafts or the policy's own first layers")
+    e.add_argument("--speculative-num-draft-tokens", type=int, default=6,
+                   help="the longest draft of a step (the length is chosen by measurement)")
+    e.add_argument("--speculative-self-layers", type=int, default=None,
+                   help="layers of the self-draft (default: calibrated)")
     e.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes started by the server; each "
                         "joins a trainer's weight-update group itself)")
@@ -340,6 +346,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 schedule_policy=args.schedule_policy, attention_backend=args.attention_backend,
                 enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
                 deterministic=args.deterministic, tp_size=args.tp_size,
+                speculative=args.speculative,
+                speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+                speculative_self_layers=args.speculative_self_layers,
                 mem_fraction=args.mem_fraction,
                 context_length=args.context_length,
                 weight_update_timeout_s=args.weight_update_timeout_s,

@@ -33,8 +33,17 @@ class EngineCollector(Collector):
                          ("generated_tokens", "Tokens generated"),
                          ("cached_tokens", "Prompt tokens served from the prefix cache"),
                          ("prefill_tokens", "Tokens computed in prefill"),
-                         ("steps", "Forward steps run")):
+                         ("steps", "Forward steps run"),
+                         ("spec_verify_steps", "Speculative verify rows (a request's drafts "
+                          "checked in one forward)"),
+                         ("spec_draft_tokens", "Drafted tokens fed to verify rows"),
+                         ("spec_accepted_tokens", "Drafted tokens the target kept")):
             yield CounterMetricFamily(f"hotswap_{key}", doc, value=stats.get(key, 0))
+        verify = stats.get("spec_verify_steps", 0)
+        yield GaugeMetricFamily("hotswap_spec_accept_length",
+                                "Drafted tokens kept per verify row, since start",
+                                value=stats.get("spec_accepted_tokens", 0) / verify
+                                if verify else 0.0)
         prompt = stats.get("prompt_tokens", 0)
         yield GaugeMetricFamily("hotswap_cache_hit_rate",
                                 "Share of submitted prompt tokens found in the prefix cache",
