@@ -234,7 +234,7 @@ class EngineConfig:
     # logprobs and versions are the target's; the draft length of a step follows measured
     # acceptance and step times, up to speculative_num_draft_tokens (0 where it does not pay).
     speculative: str | None = None
-    speculative_num_draft_tokens: int = 6
+    speculative_num_draft_tokens: int = 8
     speculative_self_layers: int | None = None
 
     def resolve(self, model: ModelConfig) -> EngineConfig:

@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--deterministic", action="store_true")
     e.add_argument("--speculative", default=None, choices=["ngram", "self"],
                    help="speculative decoding: n-gram drafts or the policy's own first layers")
-    e.add_argument("--speculative-num-draft-tokens", type=int, default=6,
+    e.add_argument("--speculative-num-draft-tokens", type=int, default=8,
                    help="the longest draft of a step (the length is chosen by measurement)")
     e.add_argument("--speculative-self-layers", type=int, default=None,
                    help="layers of the self-draft (default: calibrated)")

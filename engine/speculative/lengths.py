@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+CANDIDATES = (0, 1, 2, 4, 8, 16)  # doubling: neighbours differ enough for a duel to tell
 # Each side of a duel runs at least PROBE_STEPS steps and emits at least PROBE_TOKENS tokens:
 # at batch 1 a step emits 1 to length + 1 tokens at random, and it takes ~100 tokens to tell
 # lengths apart; at batch 64 a few steps average over many rows (and cost the most to probe).
