@@ -113,8 +113,13 @@ def test_tokens_two_versions_old_are_masked_or_dropped(engine, model_path, stale
     handed = []
     with runner:
         runner.get_batch(timeout=60)
-        push(engine, model_path, 0)  # two updates while the long group (group 1) runs: its
-        push(engine, model_path, 1)  # first tokens are now two versions old
+        # Two updates while the long group (group 1) runs: its first tokens are then two
+        # versions old. Generation is held across both, so the group cannot finish in between
+        # (120 tokens of a tiny model can outrun two pushes on a fast machine).
+        engine.pause_generation(mode="in_place")
+        push(engine, model_path, 0)
+        push(engine, model_path, 1)
+        engine.continue_generation()
         for _ in range(6):
             batch = runner.get_batch(timeout=120)
             handed += batch.trajectories
