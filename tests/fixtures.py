@@ -85,6 +85,24 @@ def write_tiny_chat_model(path: str, seed: int = 0, **overrides) -> str:
     return path
 
 
+def save_random_lora(base: str, path: str, targets: list[str], seed: int = 0):
+    """A rank-4 PEFT adapter over the base checkpoint with random (seeded) A and B, saved to
+    `path`; returns the PeftModel (peft is imported here: only tests that make adapters need
+    it)."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                    lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    pm.eval().save_pretrained(path)
+    return pm
+
+
 class ServerThread:
     """Serves an ASGI app with uvicorn in a daemon thread on a free localhost port."""
 

@@ -28,7 +28,6 @@ from hotswap.engine.core.request import FinishReason, Req
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.executor.sampling import Sampler
-from hotswap.engine.executor.sampling_batch_info import SamplingBatchInfo
 from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
@@ -38,14 +37,14 @@ from hotswap.engine.scheduler.output import OutputProcessor
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, order_waiting
 from hotswap.engine.scheduler.sessions import Sessions
+from hotswap.engine.scheduler.step_outputs import StepOutputs
 from hotswap.engine.speculative.speculator import Speculator
-from hotswap.engine.speculative.verify import accepted_length
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Scheduler(SchedulerControl):
+class Scheduler(SchedulerControl, StepOutputs):
     def __init__(self, config: EngineConfig, runner: ModelRunner, outputs: OutputProcessor,
                  serving: ServingVersion, lora: LoRAManager | None = None):
         self.config = config
@@ -319,11 +318,6 @@ class Scheduler(SchedulerControl):
             self.spec.record(len(batch.rows), self.stats["generated_tokens"] - generated, seconds)
         return True
 
-    @staticmethod
-    def _sampled_reqs(rows: list[BatchRow]) -> list[Req]:
-        """The request of every sampled position, in logits order (a verify row has several)."""
-        return [row.req for row in rows for _ in range(1 + len(row.draft))]
-
     def _with_lora(self, batch: ScheduleBatch) -> ForwardBatch:
         rows = batch.rows
         batch.forward_batch.lora = self.lora.prepare([r.req.lora_name for r in rows],
@@ -431,108 +425,6 @@ class Scheduler(SchedulerControl):
         adder.take(req, extend, new)
         return BatchRow(req, extend, samples=extend == todo)
 
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, version: str,
-                 prefetched_masks: Any = None) -> None:
-        for row in batch.rows:
-            if not row.samples:  # a chunk: share what is computed so far
-                self.kv.cache_unfinished(row.req)
-        rows, logits = self._fail_non_finite(batch.sampling_rows, logits, version)
-        # (request, its first logits row, its draft); forked samples read their leader's row
-        entries, first = [], 0
-        for row in rows:
-            entries.append((row.req, first, row.draft))
-            first += 1 + len(row.draft)
-        for req, i, _ in list(entries):
-            if not req.prefill_done:
-                req.prefill_done = True
-                self.kv.cache_unfinished(req)
-                entries += [(fork, i, []) for fork in self._start_forks(req)]
-        if not entries:
-            return
-        # One sampling row per position: position j of a verify row has seen draft[:j].
-        reqs, take, outputs, steps = [], [], [], []
-        for req, i, draft in entries:
-            for j in range(len(draft) + 1):
-                reqs.append(req)
-                take.append(i + j)
-                outputs.append(req.output_ids + draft[:j] if j else req.output_ids)
-                steps.append(len(req.output_ids) + j)
-        if take != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(take, device=logits.device)]
-        info = SamplingBatchInfo.build(
-            [r.params for r in reqs], outputs, [r.prompt_ids for r in reqs], steps,
-            self.outputs.eos_ids, logits.shape[-1], logits.device)
-        masks = self.grammars.step_masks(reqs, prefetched_masks, logits.device)
-        if masks is not None:
-            info.grammar_rows, info.grammar_bitmask = masks
-        top_k = max(r.top_logprobs_num for r in reqs)
-        want_logprob = any(r.return_logprob for r in reqs)
-        out = self.sampler.sample(logits, info, return_logprob=want_logprob,
-                                  top_logprobs_num=top_k, generator=self.generator)
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist() if want_logprob else [0.0] * len(reqs)
-        tops = self._top_lists(out, reqs)
-        pos = 0
-        for req, _, draft in entries:
-            n = len(draft) + 1
-            self._emit(req, draft, next_ids[pos: pos + n], logprobs[pos: pos + n],
-                       tops[pos: pos + n], version)
-            pos += n
-
-    def _emit(self, req: Req, draft: list[int], tokens: list[int], logprobs: list[float],
-              tops: list[Any], version: str) -> None:
-        """Append what one row sampled: its next token or, after a verify, the drafts the
-        target's draws kept and the target's own next token (engine/speculative/verify.py)."""
-        kept = accepted_length(draft, tokens) if draft else 0
-        adapter = None if req.lora_name is None else self.lora.version(req.lora_name)
-        reason = None
-        for j in range(kept + 1):
-            req.output_ids.append(tokens[j])
-            if req.return_logprob:
-                req.output_logprobs.append(logprobs[j])
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(tops[j][: req.top_logprobs_num])
-            req.stamp(version, adapter)
-            self.stats["generated_tokens"] += 1
-            reason = self.grammars.accept(req) if req.grammar is not None else None
-            reason = reason or self.outputs.check_finish(req)
-            if reason is not None:
-                break
-        if draft:
-            req.spec_verify_ct += 1
-            req.spec_accepted_tokens += kept
-            self.stats["spec_verify_steps"] += 1
-            self.stats["spec_draft_tokens"] += len(draft)
-            self.stats["spec_accepted_tokens"] += kept
-            # KV of verified tokens only: every token but the newest (which has none yet)
-            self.kv.truncate(req, len(req.prompt_ids) + len(req.output_ids) - 1)
-        if reason is not None:
-            self.finish(req, reason)
-        elif req.stream and not self.outputs.emit(req):
-            self.finish(req, FinishReason("abort", message="its output could not be "
-                                          "delivered (the consumer is gone)"))
-
-    def _fail_non_finite(self, rows: list[BatchRow], logits: torch.Tensor, version: str
-                         ) -> tuple[list[BatchRow], torch.Tensor]:
-        """End the requests whose logits hold NaN or inf (weights that diverged, an overflow)
-        with an abort that says so, instead of sampling garbage; their KV is not cached."""
-        if not rows or bool(torch.isfinite(logits.sum(-1)).all()):  # NaN/inf survive a row sum
-            return rows, logits
-        finite = torch.isfinite(logits).all(-1).tolist()
-        message = (f"the model produced non-finite logits (NaN or inf) under weight version "
-                   f"{version!r}; the request was stopped")
-        kept_rows, keep, first = [], [], 0
-        for row in rows:  # a verify row owns 1 + len(draft) logits rows
-            span = range(first, first + 1 + len(row.draft))
-            first = span.stop
-            if all(finite[i] for i in span):
-                kept_rows.append(row)
-                keep.extend(span)
-            else:
-                self.kv.release(row.req, cache=False)
-                self.finish(row.req, FinishReason("abort", message=message))
-        return kept_rows, logits[keep]
-
     def _start_forks(self, leader: Req) -> list[Req]:
         """Start the samples waiting on `leader`'s prompt; those that cannot go to the queue."""
         started = []
@@ -548,10 +440,3 @@ class Scheduler(SchedulerControl):
             else:
                 self.waiting.insert(0, req)
         return started
-
-    @staticmethod
-    def _top_lists(out: Any, reqs: list[Req]) -> list[list[list[float | int]]]:
-        if out.top_logprob_ids is None or not any(r.top_logprobs_num for r in reqs):
-            return [[] for _ in reqs]
-        ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
-        return [[[v, t] for v, t in zip(vr, ir)] for vr, ir in zip(vals, ids)]

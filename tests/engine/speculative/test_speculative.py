@@ -203,7 +203,7 @@ def test_emitted_distribution_is_the_targets(small_vocab_path, plain_samples, mo
     """The right rule keeps the third token's distribution within p = 1e-3 of plain sampling's
     (measured: p = 0.3); emitting draws drawn after unchecked drafts moves it far past (3.6e-5)."""
     if rule is not None:
-        monkeypatch.setattr("hotswap.engine.scheduler.scheduler.accepted_length", rule)
+        monkeypatch.setattr("hotswap.engine.scheduler.step_outputs.accepted_length", rule)
     with make_engine(small_vocab_path, max_running_requests=256, **DRAFTS["self"]) as engine:
         pin_length(engine, 2)
         got = third_tokens(engine, range(SAMPLES))
@@ -349,19 +349,11 @@ def test_moe_routes_are_the_emitted_tokens(tmp_path, kind):
 def test_lora_requests_speculate_with_their_adapter(model_path, tmp_path, kind):
     """A request with an adapter drafts (self-draft: through the adapter in its layers) and is
     verified with it: greedy equals plain, beside a base-model request in the same batch."""
-    peft = pytest.importorskip("peft")
-    import transformers
+    pytest.importorskip("peft")
+    from fixtures import save_random_lora
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    pm = peft.get_peft_model(model, peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
-        lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    pm.save_pretrained(str(tmp_path / "adapter"))
+    save_random_lora(model_path, str(tmp_path / "adapter"),
+                     ["q_proj", "v_proj", "gate_proj", "down_proj"])
 
     def run(**kwargs) -> list[dict]:
         with make_engine(model_path, **kwargs) as engine:

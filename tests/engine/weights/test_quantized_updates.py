@@ -8,11 +8,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import peft
 import pytest
 import torch
-import transformers
-from fixtures import write_tiny_chat_model
+from fixtures import save_random_lora, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine
@@ -172,16 +170,8 @@ def test_aborted_two_phase_update_leaves_old_int8_serving(paths):
 def test_lora_on_int8_base(paths, tmp_path):
     """The adapter's float delta on top of the int8 base: close to PEFT in fp32, and it stays
     loaded and correct across a base update."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(paths["a"], dtype=torch.float32)
-    pm = peft.get_peft_model(base, peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-        lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    pm.eval().save_pretrained(str(tmp_path / "adapter"))
+    pm = save_random_lora(paths["a"], str(tmp_path / "adapter"),
+                          ["q_proj", "v_proj", "o_proj", "down_proj"], seed=3)
     prompt = PROMPTS[0]
     with int8_engine(paths["a"]) as engine:
         engine.load_lora_adapter("a", str(tmp_path / "adapter"))
