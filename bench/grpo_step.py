@@ -1,7 +1,8 @@
-"""Where one trainer step of `python -m hotswap.rollout.grpo` goes: old (padded) vs new (packed).
+"""Where one trainer step of `python -m hotswap.rollout.grpo` goes: old (padded) vs new (packed)
+[vs exact (--exact-logprobs)].
 
 python bench/grpo_step.py [--model models/smollm2-135m-instruct] [--reps 3] [--threads N]
-                          [--max-new-tokens 16]
+                          [--max-new-tokens 16] [--exact] [--dtype float32]
 
 One batch shaped like the job's (8 addition prompts in the chat template x 6 responses of 8-16
 tokens, the engine's logprobs stood in for by the trainer's own), then per repetition an old
@@ -14,7 +15,9 @@ step and a new step, alternating, each split into stages:
 old: one left-padded row per sample, full-vocabulary logits at every position, then the
 response slice, micro-batches of 16 rows, AdamW's default per-tensor loop (rollout/grpo.py
 before issue 38). new: rollout/trainer.py (a group's prompt once with its responses packed on
-top, the head on trainable positions only, the job's default micro-batch, fused AdamW).
+top, the head on trainable positions only, the job's default micro-batch, fused AdamW). exact
+(--exact): new's units and step through rollout/exact_forward.py (the engine's batch-invariant
+kernels forward, torch backward), as --exact-logprobs runs it; exact/new is its cost.
 Medians over --reps of wall seconds, and of the step's CPU seconds (user + system). The
 machine may be shared: old and new run alternately so both see the same load; on a loaded
 machine OpenMP's spin-waits inflate both wall and CPU time, and `--threads 1` gives the
@@ -34,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from hotswap.rollout.exact_forward import segment_sequences
 from hotswap.rollout.grpo import parse_args
 from hotswap.rollout.trainer import (
     Trainer,
@@ -104,6 +108,22 @@ def new_parts(batch: RolloutBatch, t: dict, trainer: Trainer) -> list[Callable]:
     return [lambda m, temp, c, u=u: run(u, m, temp, c) for u in units]
 
 
+def exact_parts(batch: RolloutBatch, t: dict, trainer: Trainer) -> list[Callable]:
+    def run(units: list[list[int]], model: torch.nn.Module, temperature: float, clock: Clock):
+        part = {k: v[torch.tensor([i for u in units for i in u])] for k, v in t.items()}
+        packed = pack(batch, units, trainer.pad_id, model.dtype)
+        seqs, index = segment_sequences(packed.input_ids, packed.position_ids, packed.segments)
+        hidden = trainer.exact.hidden(seqs)
+        clock.lap("forward")
+        flat = trainer.exact.head_logprobs(hidden[index.flatten()[packed.source]],
+                                           packed.target, temperature)
+        logp = torch.zeros(part["loss_mask"].shape).index_put((packed.row, packed.col), flat)
+        clock.lap("head+logsoftmax")
+        return hidden, logp, part
+    units = micro_batches(trainer.units(batch), trainer.micro_batch)
+    return [lambda m, temp, c, u=u: run(u, m, temp, c) for u in units]
+
+
 class Clock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -151,15 +171,19 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=parse_args([]).micro_batch,
                    help="new: the job's --micro-batch (old: 16 rows)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--exact", action="store_true", help="also the exact forward's step")
+    p.add_argument("--dtype", default="float32", help="the trainer's dtype")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     batch = job_batch(args.model, args.prompts, args.group_size, 0, args.max_new_tokens)
     trainer = Trainer(args.model, lr=1e-5, clip=0.2, temperature=1.0,
-                      micro_batch=args.micro_batch, dtype="float32", pad_id=2)
+                      micro_batch=args.micro_batch, dtype=args.dtype, pad_id=2, exact=args.exact)
     params = list(trainer.model.parameters())
     optims = {"old": torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=False),
               "new": trainer.optim}
+    if args.exact:
+        optims["exact"] = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
     units = trainer.units(batch)
     with torch.no_grad():  # the engine's logprobs: the trainer's own (ratio 1, as in the job)
         logp = torch.zeros(len(batch), max(map(len, batch.response_ids)))
@@ -170,6 +194,8 @@ def main() -> None:
     t = batch.to_tensors(trainer.pad_id)
     variants = {"old": old_parts(batch, t, 16),
                 "new": new_parts(batch, t, trainer)}
+    if args.exact:
+        variants["exact"] = exact_parts(batch, t, trainer)
     packed = [pack(batch, u, 2) for u in micro_batches(units, args.micro_batch)]
     print(f"batch: {len(batch)} rows, {sum(map(sum, batch.loss_mask))} trainable tokens; "
           f"decoder positions: old {t['attention_mask'].numel()}, new "
@@ -179,17 +205,21 @@ def main() -> None:
           flush=True)
     for name in variants:  # warm-up, and AdamW's state for both optimizers
         timed_step(trainer, batch, variants[name], optims[name])
-    times: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for rep in range(args.reps):
         for name, parts in variants.items():
             times[name].append(timed_step(trainer, batch, parts, optims[name]))
             print(f"rep {rep} {name}: {step_seconds(times[name][-1]):.2f} s", file=sys.stderr,
                   flush=True)
-    print(f"{'stage':<18}{'old s':>8}{'new s':>8}{'old/new':>9}")
+    ratios = [("old", "new")] + ([("exact", "new")] if args.exact else [])
+    print(f"{'stage':<18}" + "".join(f"{name + ' s':>9}" for name in variants)
+          + "".join(f"{a + '/' + b:>11}" for a, b in ratios))
     for stage in (*STAGES, "step", "cpu"):
-        old, new = (statistics.median(step_seconds(r) if stage == "step" else r.get(stage, 0.0)
-                                      for r in times[name]) for name in ("old", "new"))
-        print(f"{stage:<18}{old:>8.3f}{new:>8.3f}{old / new if new else float('nan'):>8.1f}x")
+        med = {name: statistics.median(step_seconds(r) if stage == "step" else r.get(stage, 0.0)
+                                       for r in times[name]) for name in variants}
+        print(f"{stage:<18}" + "".join(f"{med[name]:>9.3f}" for name in variants)
+              + "".join(f"{med[a] / med[b] if med[b] else float('nan'):>10.2f}x"
+                        for a, b in ratios))
 
 
 def step_seconds(times: dict[str, float]) -> float:

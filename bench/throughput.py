@@ -2,7 +2,7 @@
 
 python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c] [--repeats 1]
                            [--skip-hf] [--no-roofline] [--no-logprob-check]
-                           [--quantization int8 [--quantize-lm-head]]
+                           [--quantization int8 [--quantize-lm-head]] [--deterministic]
 (a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
 (1) batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
 questions x 32 new tokens. Sampling at temperature 1.0, eos ignored on both sides so every
@@ -14,7 +14,9 @@ GB/s of weights read at batch 1, and the bf16 engine's logprob error against HF 
 With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
 first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
 tokens) are printed for each engine; with --quantize-lm-head its lm_head is int8 too (else the
-float32 head of the other engines).
+float32 head of the other engines). With --deterministic a deterministic=True engine (the
+batch-invariant kernels) runs beside each dtype's default one, and the ratios det/default per
+dtype (and per repeat) are printed.
 """
 
 from __future__ import annotations
@@ -280,10 +282,15 @@ def main() -> None:
                         help="also run a quantized engine (first in every round)")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="the quantized engine's lm_head int8 too")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also run a deterministic=True engine beside each dtype's")
     args = parser.parse_args()
     path = ensure_model(args.model_path)
-    # Engine labels: the quantized engine, then one per dtype.
-    dtypes = ([args.quantization] if args.quantization else []) + args.dtype.split(",")
+    # Engine labels: the quantized engine, then one per dtype (each followed by its
+    # deterministic twin with --deterministic).
+    dtypes = [args.quantization] if args.quantization else []
+    for dt in args.dtype.split(","):
+        dtypes += [dt, f"det-{dt}"] if args.deterministic else [dt]
     cfg = ModelConfig.from_path(path)
     shapes = matmul_shapes(cfg)
     ctx = mp.get_context("spawn")
@@ -296,7 +303,9 @@ def main() -> None:
         print_matmul_rates(shapes, times, bandwidth)
     kwargs = {"pack_weights": not args.no_pack_weights,
               "fp32_lm_head": not args.no_fp32_lm_head}
-    specs = {dt: QUANTIZED.get(dt, (dt, {})) for dt in dtypes}
+    specs = {dt: QUANTIZED.get(dt) or ((dt[4:], {"deterministic": True})
+                                       if dt.startswith("det-") else (dt, {}))
+             for dt in dtypes}
     if args.quantization and args.quantize_lm_head:
         base, options = specs[args.quantization]
         specs[args.quantization] = (base, {**options, "quantize_lm_head": True})
@@ -324,7 +333,9 @@ def main() -> None:
             notes.insert(0, f"bf16/fp32 {med['bfloat16'] / med['float32']:.2f}x")
         if "int8" in med and "bfloat16" in med:
             notes.insert(0, f"int8/bf16 {med['int8'] / med['bfloat16']:.2f}x")
-        for dt in dtypes:
+        notes[:0] = [f"{dt}/{dt[4:]} {med[dt] / med[dt[4:]]:.2f}x"
+                     for dt in dtypes if dt.startswith("det-")]
+        for dt in (d for d in dtypes if not d.startswith("det-")):
             head32 = kwargs["fp32_lm_head"] and dt != "float32"
             head8 = specs[dt][1].get("quantize_lm_head", False)
             if name == "1":
@@ -339,7 +350,9 @@ def main() -> None:
             runs = {dt: [r["tok_s"] for r in ours[dt]] for dt in dtypes} | {"HF": theirs}
             print(f"{'':<9}runs: " + "; ".join(
                 f"{k} [{', '.join(f'{v:.0f}' for v in vals)}]" for k, vals in runs.items()))
-            for a, b in (("bfloat16", "float32"), ("int8", "bfloat16")):
+            pairs = [("bfloat16", "float32"), ("int8", "bfloat16")]
+            pairs += [(dt, dt[4:]) for dt in dtypes if dt.startswith("det-")]
+            for a, b in pairs:
                 if a in runs and b in runs:
                     ratios = [x / y for x, y in zip(runs[a], runs[b], strict=True)]
                     print(f"{'':<9}{a}/{b} per repeat: "

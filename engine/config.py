@@ -295,6 +295,9 @@ class EngineConfig:
         if self.quantization is not None and device != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only, not on "
                              f"device={device!r}")
+        if self.quantization is not None and self.deterministic:
+            raise ValueError(f"quantization={self.quantization!r} with deterministic=True: the "
+                             "batch-invariant kernels multiply float32 and bf16 weights only")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='int8'")
 
@@ -324,8 +327,8 @@ class EngineConfig:
             raise ValueError(f"speculative_self_layers={layers}: needs speculative='self' and "
                              f"a value in [1, {model.num_layers - 1}]")
         if self.speculative is not None and self.deterministic:
-            raise ValueError("speculative with deterministic=True: the draft length follows "
-                             "measured step times, so a request's arithmetic would not be fixed")
+            raise ValueError("speculative with deterministic=True is not supported (untested "
+                             "together; docs/rl.md#deterministic-rollouts-and-exact-logprobs)")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

@@ -7,6 +7,7 @@ from hotswap.rollout.agent_loops import SingleTurn
 from hotswap.rollout.async_rollout import AsyncRollout
 from hotswap.rollout.client import Completion, TokenClient
 from hotswap.rollout.collect import collect
+from hotswap.rollout.exact_forward import ExactForward
 from hotswap.rollout.program import assistant, function, gen, select, system, user
 from hotswap.rollout.rewards import (
     exact_match,
@@ -20,8 +21,8 @@ from hotswap.rollout.tool_loop import ToolLoop, hermes_tool_calls
 from hotswap.rollout.trajectory import RolloutBatch, Trajectory
 
 __all__ = [
-    "AsyncRollout", "Completion", "RolloutBatch", "SingleTurn", "TokenClient", "ToolLoop",
-    "Trajectory", "collect", "hermes_tool_calls",
+    "AsyncRollout", "Completion", "ExactForward", "RolloutBatch", "SingleTurn", "TokenClient",
+    "ToolLoop", "Trajectory", "collect", "hermes_tool_calls",
     "exact_match", "format_match", "grpo_advantages", "group_reward", "json_schema_valid",
     "length_penalty", "nonzero_std", "parse_final_answer", "assistant", "function", "gen",
     "select", "system", "user",

@@ -118,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative", choices=["ngram", "self"], default=None,
                    help="speculative decoding in the engine (docs/api.md#speculative-decoding); "
                         "the table's 'spec acc' column: drafted tokens kept per verify step")
+    p.add_argument("--exact-logprobs", action="store_true",
+                   help="deterministic (batch-invariant) engine and the trainer's exact forward: "
+                        "its logprobs equal the engine's bit for bit, |dlogp| = 0 "
+                        "(rollout/exact_forward.py)")
     p.add_argument("--routing-replay", action="store_true",
                    help="MoE models: the engine returns every token's experts and the "
                         "trainer's forward routes to them (rollout/routing_replay.py)")
@@ -130,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--max-turns must be >= 1")
     if args.tis is not None and not args.tis > 1:
         raise SystemExit("--tis C needs C > 1")
+    if args.exact_logprobs and (args.routing_replay or args.quantization or args.speculative):
+        raise SystemExit("--exact-logprobs computes the engine's own logprobs and routes: "
+                         "without --routing-replay, --quantization or --speculative")
     return args
 
 
@@ -150,6 +157,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["enable_return_routed_experts"] = True
     if args.speculative:
         options["speculative"] = args.speculative
+    if args.exact_logprobs:
+        options["deterministic"] = True
     return options
 
 
@@ -352,13 +361,15 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
             routed_experts=args.routing_replay)
         trainer = Trainer(path, args.lr, args.clip, args.temperature, args.micro_batch,
                           args.dtype, pad_id=client.tokenizer.pad_token_id or 0, tis=args.tis,
-                          tis_mode=args.tis_mode, micro_positions=args.micro_positions)
+                          tis_mode=args.tis_mode, micro_positions=args.micro_positions,
+                          exact=args.exact_logprobs)
         tracker = Tracker(project=args.wandb_project, dir=args.wandb_dir, config=vars(args),
                           total_steps=args.steps, console=not args.quiet)
         fleet = (f", {args.replicas} Ray replicas" if args.fleet == "ray" else "")
         fleet += f", {args.quantization} rollouts" if args.quantization else ""
         fleet += f", TIS C={args.tis:g} ({args.tis_mode})" if args.tis is not None else ""
         fleet += ", routing replay" if args.routing_replay else ""
+        fleet += ", exact logprobs (deterministic engine)" if args.exact_logprobs else ""
         fleet += f", tools task (<= {args.max_turns} turns)" if args.task == "tools" else ""
         print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}{fleet}"
               f"{', async' if args.async_mode else ''}, {args.prompts} groups x "

@@ -11,7 +11,8 @@ head and the log-softmax (49,152 wide for SmolLM2) run only on the positions tha
 trainable token. Attention runs over a dense mask, quadratic in the packed length, so a group
 of long responses is split into several sequences (split_unit).
 tests/rollout/test_rollout_grpo.py checks the gradients against the one padded row per sample
-that this replaced.
+that this replaced. With exact=True (the GRPO job's --exact-logprobs) the units run through
+rollout/exact_forward.py instead, whose logprobs equal a deterministic engine's bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hotswap.rollout.exact_forward import ExactForward, segment_sequences
 from hotswap.rollout.importance import importance_weights
 from hotswap.rollout.routing_replay import replay_routes
 from hotswap.rollout.trajectory import RolloutBatch
@@ -39,6 +41,7 @@ class Packed(NamedTuple):
     target: torch.Tensor  # [tokens] the trainable response token it predicts
     row: torch.Tensor  # [tokens] its row in the micro-batch
     col: torch.Tensor  # [tokens] its column in the response
+    segments: torch.Tensor  # [units, length] 0: the prompt, k: the k-th response, -1: padding
 
 
 def prompt_units(batch: RolloutBatch) -> list[list[int]]:
@@ -155,7 +158,7 @@ def pack(batch: RolloutBatch, units: list[list[int]], pad_id: int,
                                             for lay in layouts]))
     as_long = (lambda v: torch.tensor(v, dtype=torch.long))
     return Packed(ids, positions, block_mask(segments, dtype), routes, as_long(source),
-                  as_long(target), as_long(row), as_long(col))
+                  as_long(target), as_long(row), as_long(col), segments)
 
 
 def block_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,7 +219,7 @@ class Trainer:
 
     def __init__(self, path: str, lr: float, clip: float, temperature: float,
                  micro_batch: int, dtype: str, pad_id: int, tis: float | None = None,
-                 tis_mode: str = "token", micro_positions: int = 4096):
+                 tis_mode: str = "token", micro_positions: int = 4096, exact: bool = False):
         import transformers
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
@@ -234,6 +237,8 @@ class Trainer:
         # split_unit's attention cost: a dense-mask position costs as much as the layers' matmuls
         # at L ~ 4.5 x hidden size (fitted on SmolLM2's forward and backward on CPU)
         self.pack_width = 4.5 * self.model.config.hidden_size
+        # the engine's kernels over this model's parameters (deterministic engines only)
+        self.exact = ExactForward(self.model) if exact else None
 
     def units(self, batch: RolloutBatch) -> list[list[int]]:
         """The packed sequences of a batch: rows sharing a prompt, split where that is cheaper."""
@@ -247,7 +252,13 @@ class Trainer:
                           route_stats: dict[str, int]) -> torch.Tensor:
         """[rows of `units`, r_len] log p of the trainable tokens, 0 elsewhere."""
         packed = pack(batch, units, self.pad_id, self.model.dtype)
-        flat = packed_logprobs(self.model, packed, self.temperature, route_stats)
+        if self.exact is not None:
+            seqs, index = segment_sequences(packed.input_ids, packed.position_ids,
+                                            packed.segments)
+            flat = self.exact.logprobs(seqs, index.flatten()[packed.source], packed.target,
+                                       self.temperature)
+        else:
+            flat = packed_logprobs(self.model, packed, self.temperature, route_stats)
         out = torch.zeros((sum(map(len, units)), r_len), dtype=flat.dtype)
         return out.index_put((packed.row, packed.col), flat)
 

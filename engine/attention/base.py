@@ -41,6 +41,9 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        # deterministic=True on the CPU kernels (the ModelRunner sets it): every query, of a
+        # prefill, a chunk or a decode step, attends by the same per-query kernel.
+        self.batch_invariant = False
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -93,7 +93,9 @@ class TorchAttnBackend(AttentionBackend):
         starts = ext.cumsum(0) - ext
         is_decode = ext == 1
         if self.fused_decode:  # short extend rows too, each token a query of the kernel
-            is_decode |= prefix + ext <= KERNEL_EXTEND_MAX_KEYS
+            # Batch-invariant: every row, so that a token's attention has the same bits whether
+            # its context came from a prefill, a chunk, decode steps or the prefix cache.
+            is_decode |= (prefix + ext <= KERNEL_EXTEND_MAX_KEYS) | self.batch_invariant
         decode_rows, extend_rows = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
         decode = (self._build_decode(fb, decode_rows, prefix, ext, starts)
                   if decode_rows.numel() else None)

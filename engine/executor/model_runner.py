@@ -5,6 +5,7 @@ It knows nothing of requests or scheduling: it takes a ForwardBatch and returns 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -15,9 +16,11 @@ from hotswap.engine.attention import get_backend_class
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from hotswap.engine.layers import quant
+from hotswap.engine.layers import cpu_kernels, quant
 from hotswap.engine.models import build_model
 from hotswap.engine.models.loader import load_checkpoint
+
+logger = logging.getLogger(__name__)
 
 # Without a stated pool size on CPU, never take more than this many tokens by default.
 _CPU_DEFAULT_MAX_TOKENS = 262_144
@@ -49,6 +52,9 @@ class ModelRunner:
         self.quant_bytes = 0  # what the int8 copies hold
         if config.quantization is not None:
             quant.fast_path()  # logs whether int8 runs fast here, and why not
+        # deterministic=True: every kernel batch-invariant where this build has them (the CPU
+        # kernels), else each row runs alone (the scheduler) with the prefix cache off.
+        self.batch_invariant = config.deterministic and self._invariant_kernels()
         self.refresh_derived()
 
         page_size = config.page_size
@@ -67,6 +73,24 @@ class ModelRunner:
         self.attn_backend = backend_cls(
             self.kv_pool, self.req_to_token_pool.req_to_token, model_config.num_heads,
             model_config.num_kv_heads, model_config.head_dim, model_config.head_dim ** -0.5)
+        self.attn_backend.batch_invariant = self.batch_invariant
+
+    def _invariant_kernels(self) -> bool:
+        """Whether this runner's forward can be batch-invariant: the CPU kernels built and
+        every matmul weight fits their blocked layout
+        (docs/rl.md#deterministic-rollouts-and-exact-logprobs).
+        Where the kernels are missing (CUDA, HOTSWAP_CPU_KERNELS=0) deterministic=True falls
+        back to rows run alone; a model they cannot take is refused."""
+        if self.device.type != "cpu" or not cpu_kernels.available():
+            logger.warning("deterministic=True without the CPU kernels: every row runs alone "
+                           "and the prefix cache is off (slow)")
+            return False
+        misfits = self.model.unblockable()
+        if misfits:
+            raise ValueError("deterministic=True: the batch-invariant matmul needs every weight's "
+                             "output count a multiple of 32 (and, in bf16, an even input "
+                             f"count); these do not fit: {', '.join(misfits[:4])}")
+        return True
 
     def _load_weights(self) -> None:
         load_checkpoint(self.model, self.config.model_path)
@@ -134,9 +158,9 @@ class ModelRunner:
             self.quant_bytes = self.model.quantize_weights(True, config.quantize_lm_head)
             if lap is not None:
                 lap("quantize")
-        self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head,
-                                   config.pack_weights)
-        self.model.pack_weights(config.pack_weights)
+        self.model.build_fp32_head(config.fp32_lm_head and not config.quantize_lm_head
+                                   and not self.batch_invariant, config.pack_weights)
+        self.model.pack_weights(config.pack_weights, self.batch_invariant)
         if lap is not None:
             lap("derive")
         self._packed_generation = self._weights_generation

@@ -247,13 +247,15 @@ STORAGE_BLOCK_TOKENS = 64  # tokens per storage file (rounded up to whole pages)
 
 def make_radix_cache(config: EngineConfig, allocator: TokenToKVPoolAllocator, kv_pool: KVPool,
                      weights: Callable[[], Iterable[torch.Tensor]],
-                     serving: ServingVersion) -> RadixCache:
+                     serving: ServingVersion, batch_invariant: bool = False) -> RadixCache:
     """The engine's prefix cache: a HiRadixCache when `enable_hierarchical_cache` is set.
 
     `weights()` yields the model's tensors and `serving` names the version they serve;
-    together they give storage keys a fingerprint of the weights."""
+    together they give storage keys a fingerprint of the weights. deterministic=True keeps the
+    cache only where the forward is batch-invariant (a hit then gives the bits of computing the
+    prefix); where it runs rows alone instead, the cache is off."""
     page_size = config.page_size
-    disable = not config.enable_prefix_cache or config.deterministic
+    disable = not config.enable_prefix_cache or (config.deterministic and not batch_invariant)
     if not config.enable_hierarchical_cache:
         return RadixCache(allocator, page_size, disable=disable)
     host_tokens = config.hicache_host_tokens or int(allocator.size * config.hicache_ratio)

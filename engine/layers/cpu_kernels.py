@@ -1,6 +1,7 @@
 """Fused CPU kernels (csrc/, one source per op family), float32 and bfloat16: paged decode
 attention (attention.cpp), in-place rotary (rope.cpp), RMSNorm (norm.cpp), SiLU-and-multiply
-(activation.cpp), a small-batch matmul over bf16 weights (small_linear.cpp), the float32 lm_head
+(activation.cpp), a small-batch matmul over bf16 weights (small_linear.cpp), the blocked
+matmul whose sums never depend on the batch (blocked_linear.cpp), the float32 lm_head
 of a bf16 model as AMX matmuls of an exact split (head.cpp), int8 matmuls (quant.cpp), sampling
 (sampling.cpp), a mixture-of-experts layer's experts (moe.cpp), and every
 decoder layer of a decode-only step in one call (decode_layer.cpp); bindings.cpp registers them
@@ -246,19 +247,28 @@ def block_pack(w: torch.Tensor) -> torch.Tensor:
     quantize_weight_ writes for the VNNI kernel): for each block of 32 outputs and each group of
     G inputs, the 32 outputs' weights side by side. A kernel loads a block's weights for a group
     in two vectors and broadcasts x's group (AVX512-BF16's pairwise products, float32 FMAs or
-    VNNI's int8 ones), with no horizontal sums; for the experts blocked_linear beat both the
+    VNNI's int8 ones), with no horizontal sums; n not a multiple of 32 is padded with zero
+    outputs (blocked_linear then returns them too). For the experts blocked_linear beat both the
     small-batch kernel and oneDNN's packed matmul at every row count of bench/moe.py's shapes
     (docs/performance.md)."""
     *lead, n, k = w.shape
     group = 4 // w.element_size()
+    if n % BLOCK:  # outputs padded with zero rows to whole blocks (a router of 8 experts)
+        w = torch.nn.functional.pad(w.detach(), (0, 0, 0, BLOCK - n % BLOCK))
+        n = w.shape[-2]
     return (w.detach().reshape(-1, n // BLOCK, BLOCK, k // group, group)
             .permute(0, 1, 3, 2, 4).contiguous().view(*lead, n // BLOCK, k // group, BLOCK, group))
 
 
-def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """x [m, k] @ weight.T, the weight [n, k] given in the blocked layout (block_pack), in x's
-    dtype; needs AVX-512 (and AVX512-BF16 for bf16)."""
-    return torch.ops.hotswap.blocked_linear(x, blocked)
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None, float_out: bool = False,
+                   outputs: int = -1) -> torch.Tensor:
+    """x [m, k] @ weight.T (+ bias) (+ residual), the weight [n, k] given in the blocked layout
+    (block_pack; `outputs` = n where block_pack padded it, else -1), in x's dtype (float32
+    with float_out): every output one float32 sum over k in
+    order, whatever the rows, their order or the thread count (the batch-invariant linear); the
+    vector kernel with AVX-512 (AVX512-BF16 for bf16), a portable one elsewhere."""
+    return torch.ops.hotswap.blocked_linear(x, blocked, bias, residual, float_out, outputs)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

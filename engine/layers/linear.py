@@ -11,10 +11,16 @@ A bf16 step of at most SMALL_ROWS rows (where a step only streams the weights: b
 tail of a rollout) takes cpu_kernels.small_linear instead, a matrix-vector kernel over the
 plain bf16 weights that asks for them ahead of use and so streams them faster than oneDNN. Its
 float32 sums run in another order than oneDNN's, so a bf16 row's last bits differ between a
-step of up to SMALL_ROWS rows and a larger one (deterministic=True runs every row alone).
+step of up to SMALL_ROWS rows and a larger one (deterministic=True takes BLOCKED instead).
 
 With quantization="int8" a Linear also holds an int8 copy of its weight (quant.py), rebuilt by
 the ModelRunner like the packs; every step then takes quant.int8_linear, whatever its rows.
+
+With deterministic=True (batch-invariant, docs/rl.md#deterministic-rollouts-and-exact-logprobs)
+a Linear holds its weight in cpu_kernels' blocked layout instead, and every step takes
+cpu_kernels.blocked_linear, whatever its rows: each output is one float32 sum over k in order,
+with the bias and the residual added to it before the one rounding, so a row's bits never
+depend on its batch-mates.
 """
 
 from __future__ import annotations
@@ -74,17 +80,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 # How linear() multiplies (cpu_kernels.decode_layers takes the same codes).
-ATEN, ONEDNN, SMALL, INT8 = 0, 1, 2, 3
+ATEN, ONEDNN, SMALL, INT8, BLOCKED = 0, 1, 2, 3, 4
 # bf16 rows that take cpu_kernels.small_linear: where it beat oneDNN (docs/performance.md). With
 # AVX512-BF16 the kernel multiplies bf16 pairs as they are and also wins at 5 and 6 rows.
 SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
 
 
+def can_block(weight: torch.Tensor) -> bool:
+    """Whether a weight [n, k] fits cpu_kernels' blocked layout: a float32 or bf16 CPU tensor
+    with n a multiple of 32 and, in bf16, k even."""
+    return (weight.dim() == 2 and cpu_kernels.applies(weight)
+            and weight.shape[0] % cpu_kernels.BLOCK == 0
+            and weight.shape[1] % (4 // weight.element_size()) == 0)
+
+
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, quant: QuantWeight | None = None) -> int:
-    """INT8 where the weight has an int8 copy; SMALL for a bf16 x of at most SMALL_ROWS rows, a
+                residual: torch.Tensor | None = None, quant: QuantWeight | None = None,
+                blocked: torch.Tensor | None = None) -> int:
+    """BLOCKED where the weight has a blocked copy (deterministic=True); INT8 where it has an
+    int8 copy; SMALL for a bf16 x of at most SMALL_ROWS rows, a
     plain bf16 weight (bias, residual bf16 too) on CPU with the kernels built, else ONEDNN where
     oneDNN runs x's dtype, else ATEN."""
+    if blocked is not None:
+        return BLOCKED
     if quant is not None:
         return INT8
     if (x.dim() == 2 and len(x) <= SMALL_ROWS and x.dtype == weight.dtype == torch.bfloat16
@@ -97,9 +115,11 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-           quant: QuantWeight | None = None) -> torch.Tensor:
-    """x @ weight.T + bias (+ residual); `packed` / `quant`, when given, must be pack(weight) /
-    quant.quantize_weight(weight) of the current weight. On SMALL and INT8 the residual joins
+           quant: QuantWeight | None = None, blocked: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x @ weight.T + bias (+ residual); `packed` / `quant` / `blocked`, when given, must be
+    pack(weight) / quant.quantize_weight(weight) / cpu_kernels.block_pack(weight) of the current
+    weight. On BLOCKED, SMALL and INT8 the residual joins
     the kernel's float32 sums (one rounding in bf16); elsewhere it is added to the matmul's
     output (in bf16 rounded twice, as HF's bf16 does): oneDNN's add post-op costs more than
     the separate add, at any size (docs/performance.md)."""
@@ -107,7 +127,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # on how many rows share its step. (MKL's float32 matrix-vector kernel at 1-2 rows and
     # SiLU/product as oneDNN post-ops at 64 rows are faster, but both give results that differ
     # in the last bits with the row count.)
-    path = matmul_path(x, weight, bias, residual, quant)
+    path = matmul_path(x, weight, bias, residual, quant, blocked)
+    if path == BLOCKED:
+        return cpu_kernels.blocked_linear(x, blocked, bias, residual)
     if path == INT8:
         return int8_linear(x, quant, bias, residual)
     if path == SMALL:
@@ -123,14 +145,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # pack(self.weight), kept current by the ModelRunner
     quant: QuantWeight | None = None  # its int8 copy (quantization="int8"), kept current too
+    blocked: torch.Tensor | None = None  # its blocked copy (deterministic=True), kept current too
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, residual, self.quant)
+        return linear(x, self.weight, self.bias, self.packed, residual, self.quant, self.blocked)
 
     def fused_weights(self, path: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(what cpu_kernels.decode_layers multiplies on `path`, the rest of the int8 copy)."""
         if path == INT8:
             return self.quant.weight, self.quant.tensors()
+        if path == BLOCKED:
+            return self.blocked, []
         return (self.weight if self.packed is None or path == SMALL else self.packed), []
 
 

@@ -246,12 +246,20 @@ class FusedMoE(nn.Module):
         # Kept current by the ModelRunner, as Linear's packed and int8 copies.
         self.packs: ExpertPacks | None = None
         self.quant: ExpertQuant | None = None
+        self.gate_blocked: torch.Tensor | None = None  # the router, blocked (deterministic=True)
 
-    def pack_weights(self, enable: bool) -> None:
+    def pack_weights(self, enable: bool, invariant: bool = False) -> None:
         """Rebuild (or drop) the packed copies of the experts' weights: the blocked layout
         where its kernel applies, else oneDNN's where packing applies (about a fifth faster at
-        the few rows an expert gets in a decode step); none beside int8 copies."""
+        the few rows an expert gets in a decode step); none beside int8 copies. `invariant`
+        (deterministic=True): the router and the experts blocked, whatever the CPU (the
+        portable kernel where the vector one is missing), so a token's routing and expert
+        outputs never depend on the batch."""
         self.packs = None
+        self.gate_blocked = block_pack(self.gate.weight) if invariant else None
+        if invariant:
+            self.packs = ExpertPacks([], [], block_pack(self.w13), block_pack(self.w2))
+            return
         if not enable or self.quant is not None:
             return
         if can_block(self.w13, self.w2):
@@ -268,8 +276,9 @@ class FusedMoE(nn.Module):
 
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> Routing:
         weights_dtype = torch.float32 if self.fp32_weights else x.dtype
-        return select_experts(self.gate(x), self.top_k, self.renormalize, weights_dtype,
-                              topk_ids)
+        logits = (self.gate(x) if self.gate_blocked is None else
+                  cpu_kernels.blocked_linear(x, self.gate_blocked, outputs=self.num_experts))
+        return select_experts(logits, self.top_k, self.renormalize, weights_dtype, topk_ids)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> MoEOutput:
         """x [tokens, hidden]; `topk_ids` [tokens, top_k] replays a recorded routing."""

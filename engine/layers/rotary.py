@@ -41,7 +41,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(head_dim, theta, scaling)
-            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            # Whole blocks of 64 positions: no vector tail in cos/sin, so a position's values
+            # do not depend on the table's length (rollout/exact_forward.py builds its own).
+            rows = -(-max_positions // 64) * 64
+            freqs = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
         self.head_dim = head_dim
         # Plain attributes, not buffers: the cache stays float32 whatever dtype the model takes.
         self.cos = freqs.cos()

@@ -19,6 +19,7 @@ from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import (
     SMALL_ROWS,
     Linear,
+    can_block,
     linear,
     matmul_path,
     pack,
@@ -75,6 +76,32 @@ class Fp32Head(NamedTuple):
     weight: torch.Tensor | None  # the packed copy itself when packing applies (saves a copy)
     packed: torch.Tensor | None
     amx: torch.Tensor | None = None  # head_pack(bf16 lm_head); then weight and packed are None
+
+
+class InvariantHead(NamedTuple):
+    """What the batch-invariant logits read (deterministic=True): the final norm's weight in
+    float32 and the lm_head in cpu_kernels' blocked layout, in the model's dtype."""
+
+    norm_weight: torch.Tensor
+    blocked: torch.Tensor  # block_pack pads the vocabulary to whole blocks of 32
+    vocab: int
+
+
+def invariant_logits(hidden: torch.Tensor, head: InvariantHead, eps: float) -> torch.Tensor:
+    """Float32 logits [m, vocab] of hidden states [m, k] whose bits never depend on the other
+    rows: the final RMSNorm in float32, then blocked_linear's in-order float32 sums. A bf16
+    model's normed state x is split into two bf16 parts, hi = bf16(x) and lo = bf16(x - hi),
+    multiplied as 2m rows and summed, hi + lo: float32 products of the bf16 weights to ~2^-17 of
+    x, as the float32 head of the default mode has (build_fp32_head). The trainer's exact forward
+    (rollout/exact_forward.py) calls this same function."""
+    x = rms_norm(hidden.float(), head.norm_weight, eps)
+    if head.blocked.dtype == torch.float32:
+        return cpu_kernels.blocked_linear(x, head.blocked, float_out=True, outputs=head.vocab)
+    hi = x.to(head.blocked.dtype)
+    lo = (x - hi.float()).to(head.blocked.dtype)
+    sums = cpu_kernels.blocked_linear(torch.cat((hi, lo)), head.blocked, float_out=True,
+                                      outputs=head.vocab)
+    return sums[: len(x)] + sums[len(x):]
 
 
 def _project(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -204,7 +231,7 @@ class LlamaModel(nn.Module):
         the path it takes for such steps."""
         attn = self.layers[0].self_attn
         path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x,  # x: the residual
-                           attn.qkv_proj.quant)
+                           attn.qkv_proj.quant, attn.qkv_proj.blocked)
 
         def layer_weights(layer: LlamaDecoderLayer) -> cpu_kernels.LayerWeights:
             attn, mlp = layer.self_attn, layer.mlp
@@ -245,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_quant: QuantWeight | None = None  # int8 lm_head (layers/quant.py)
         self.fp32_head: Fp32Head | None = None
+        self.invariant_head: InvariantHead | None = None  # deterministic=True (pack_weights)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -257,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(self.model(fb)[fb.logits_indices])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.invariant_head is not None:
+            return invariant_logits(hidden, self.invariant_head, self.cfg.rms_norm_eps)
         if self.lm_head_quant is not None:  # float32 norm, int8 matmul, float32 logits
             x = rms_norm(hidden.float(), self.model.norm.weight.float(), self.cfg.rms_norm_eps)
             return linear(x, self.lm_head_weight, quant=self.lm_head_quant)
@@ -299,17 +329,32 @@ class LlamaForCausalLM(nn.Module):
         returns their bytes. Called before pack_weights, which packs nothing that has one."""
         return quantize_model(self, enable, head)
 
-    def pack_weights(self, enable: bool = True) -> None:
+    def pack_weights(self, enable: bool = True, invariant: bool = False) -> None:
         """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py) and
-        drop the fused layers built from the old ones."""
+        drop the fused layers built from the old ones; with `invariant` (deterministic=True)
+        the blocked copies and the invariant head instead, which every step then multiplies."""
         self.model.fused_layers.clear()
+        enable = enable and not invariant
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 # An int8 copy (layers/quant.py, built first) is multiplied instead.
                 module.packed = pack(module.weight) if enable and module.quant is None else None
+                module.blocked = cpu_kernels.block_pack(module.weight) if invariant else None
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
         self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
                                and self.lm_head_quant is None else None)
+        self.invariant_head = InvariantHead(
+            self.model.norm.weight.detach().float(),
+            cpu_kernels.block_pack(self.lm_head_weight),
+            self.lm_head_weight.shape[0]) if invariant else None
+
+    def unblockable(self) -> list[str]:
+        """The matmul weights that do not fit the blocked layout (layers/linear.py's can_block),
+        by name: deterministic=True refuses such a model. (The lm_head and MoE routers are
+        padded to whole blocks instead: their outputs are not added to a residual.)"""
+        return [name for name, p in self.named_parameters()
+                if name.endswith(("proj.weight", ".w13", ".w2"))
+                and not all(can_block(w) for w in (p.unsqueeze(0) if p.dim() == 2 else p))]
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Every HF checkpoint name this model takes, mapped to where it lands."""

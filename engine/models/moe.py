@@ -114,8 +114,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                 total += module.quantize(enable)
         return total
 
-    def pack_weights(self, enable: bool = True) -> None:
-        super().pack_weights(enable)
+    def pack_weights(self, enable: bool = True, invariant: bool = False) -> None:
+        super().pack_weights(enable, invariant)
         for module in self.modules():
             if isinstance(module, FusedMoE):
-                module.pack_weights(enable)
+                module.pack_weights(enable, invariant)

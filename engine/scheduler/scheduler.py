@@ -52,7 +52,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         self.outputs = outputs
         self.serving = serving  # written by the weight transactions, read here
         self.tree = make_radix_cache(config, runner.allocator, runner.kv_pool,
-                                     runner.model.parameters, serving)
+                                     runner.model.parameters, serving, runner.batch_invariant)
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self.tree,
                             config.page_size)
         self.sessions = Sessions(self.tree, lambda: int(
@@ -304,7 +304,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         generated = self.stats["generated_tokens"]
         # Grammar masks of this step's rows are filled on a worker while the forward runs.
         masks = self.grammars.prefetch(self._sampled_reqs(batch.sampling_rows))
-        if self.config.deterministic:
+        if self.config.deterministic and not self.runner.batch_invariant:
             logits = torch.cat([self.runner.forward(self._with_lora(
                 ScheduleBatch.build([row], self.runner.device))) for row in batch.rows])
         else:

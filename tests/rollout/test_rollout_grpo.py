@@ -108,7 +108,7 @@ def test_help_documents_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--steps", "--transport", "--async", "--max-staleness", "--wandb-dir",
                    "--group-size", "--lr", "--filter", "--quantization", "--tis",
-                   "--routing-replay", "--model"):
+                   "--routing-replay", "--exact-logprobs", "--model"):
         assert option in text
 
 
@@ -168,6 +168,34 @@ def test_routing_replay_on_the_tiny_moe_the_repository_writes(tmp_path):
     for h in history:
         assert h["mismatch/abs_diff"] < 1e-4
         assert 0 <= h["mismatch/routes_differ"] < 0.05
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_logprobs_make_the_mismatch_zero(model_path, tmp_path, dtype):
+    """--exact-logprobs: a deterministic engine and the trainer's exact forward, so every
+    step's |dlogp| is exactly 0 (the weights change every step: each push is checked)."""
+    args = parse_args(["--model-path", model_path, "--steps", "3", "--prompts", "2",
+                       "--group-size", "4", "--over-sample", "0", "--max-new-tokens", "8",
+                       "--filter", "none", "--lr", "1e-3", "--wandb-dir", str(tmp_path),
+                       "--quiet", "--exact-logprobs", "--dtype", dtype, "--temperature", "0.8"])
+    history = run(args, reward=varied_reward)["history"]
+    assert [h["weight_version"] for h in history] == [0, 1, 2]
+    for h in history:
+        assert h["mismatch/abs_diff"] == 0.0 and h["mismatch/kl"] == 0.0
+        assert h["train/clip_fraction"] == 0.0 and h["train/grad_norm"] > 0
+
+
+def test_exact_logprobs_on_the_tiny_moe_need_no_routing_replay(tmp_path):
+    """The same on an MoE: the trainer routes every token as the engine did, by construction."""
+    folder = write_moe(str(tmp_path / "moe"), "qwen3_moe", seed=2)
+    args = parse_args(["--model", folder, "--exact-logprobs", "--steps", "2", "--prompts", "2",
+                       "--group-size", "4", "--over-sample", "0", "--max-new-tokens", "8",
+                       "--filter", "none", "--lr", "1e-3", "--wandb-dir", str(tmp_path),
+                       "--quiet"])
+    for h in run(args, reward=varied_reward)["history"]:
+        assert h["mismatch/abs_diff"] == 0.0 and h["train/grad_norm"] > 0
+    with pytest.raises(SystemExit, match="routing-replay"):
+        parse_args(["--exact-logprobs", "--routing-replay"])
 
 
 def padded_logprobs(model, t: dict, temperature: float, route_stats: dict) -> torch.Tensor:

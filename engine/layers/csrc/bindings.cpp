@@ -28,7 +28,8 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor[] packed13, Tensor[] packed2, "
         "Tensor topk_ids, Tensor topk_weights, int small_rows, int dense_path, Tensor? blocked13, "
         "Tensor? blocked2, Tensor[] quant) -> Tensor");
-  m.def("blocked_linear(Tensor x, Tensor blocked) -> Tensor");
+  m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias=None, Tensor? residual=None, "
+        "bool float_out=False, int outputs=-1) -> Tensor");
   m.def("head_amx() -> bool");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "

@@ -24,7 +24,8 @@ auto scoped(const char* name, F f) {
 
 }  // namespace
 
-// The small-batch kernel (w plain bf16, a few rows; the residual joins its float32 sums), the
+// The blocked kernel (w in the blocked layout, any rows; the residual joins its float32 sums), the
+// small-batch kernel (w plain bf16, a few rows; the residual joins its float32 sums), the
 // int8 matmul (w int8 with the rest of its copy in `quant`; the residual joins its rescaling),
 // else oneDNN's matmul (w packed or plain) or at::linear, then the add.
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
@@ -37,6 +38,12 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
       return int8_linear(x, w, quant[0], b,
                          residual ? std::optional<at::Tensor>(*residual) : std::nullopt,
                          hadamard_block(x.size(1)), opt(1), opt(2));
+    });
+  if (path == PATH_BLOCKED)
+    return scoped("hotswap::blocked_linear", [&] {
+      return blocked_linear(x, w, b,
+                            residual ? std::optional<at::Tensor>(*residual) : std::nullopt,
+                            false);
     });
   if (path == PATH_SMALL)
     return scoped("hotswap::small_linear", [&] {
@@ -79,7 +86,7 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
   const int64_t hkv = k_buf.size(1), d = k_buf.size(2), heads = stack.num_heads;
   const int64_t q_size = heads * d, kv_size = hkv * d, path = stack.path;
   // Paths whose kernel adds the residual to its float32 sums (one rounding in bf16).
-  const bool small = path == PATH_SMALL || path == PATH_INT8;
+  const bool small = path == PATH_SMALL || path == PATH_INT8 || path == PATH_BLOCKED;
   // The parts other than the matmuls (aten ops, seen already) under their ops' names.
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight, const at::Tensor* r) {
     return scoped("hotswap::rms_norm", [&] { return rms_norm_impl(t, weight, stack.eps, r); });
@@ -107,8 +114,8 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
 
 DecodeLayers::DecodeLayers(double eps, int64_t path, int64_t num_heads)
     : eps(eps), path(path), num_heads(num_heads) {
-  TORCH_CHECK(path == PATH_ATEN || path == PATH_ONEDNN || path == PATH_SMALL || path == PATH_INT8,
-              "path must be linear.py's ATEN, ONEDNN, SMALL or INT8, got ", path);
+  TORCH_CHECK(path >= PATH_ATEN && path <= PATH_BLOCKED,
+              "path must be linear.py's ATEN, ONEDNN, SMALL, INT8 or BLOCKED, got ", path);
   TORCH_CHECK(num_heads > 0, "num_heads must be positive");
 }
 

@@ -20,86 +20,6 @@
 namespace hotswap {
 namespace {
 
-// The blocked layout of a weight [n, k] (layers/cpu_kernels.py's block_pack): [n / 32, k / G,
-// 32, G] with G = 2 in bf16 and 1 in float32 (the inputs one 32-bit lane holds; quant.cpp's int8
-// kernel takes G = 4): for each block of 32 outputs and each group of G inputs, the 32 outputs'
-// weights side by side.
-constexpr int64_t BLOCK = 32;
-
-#if defined(__AVX512F__)
-// Bytes ahead of its weight stream a tile asks for (into L2).
-constexpr int64_t BLOCK_PREFETCH_BYTES = 8192;
-
-// The 16 products of a lane group: AVX512-BF16's pairwise products of bf16 (exact in float32,
-// summed in float32) or a float32 FMA.
-#if defined(__AVX512BF16__)
-inline __m512 lane_fma(__m512 acc, const at::BFloat16* w, int32_t x) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w),
-                          (__m512bh)_mm512_set1_epi32(x));
-}
-#endif
-inline __m512 lane_fma(__m512 acc, const float* w, float x) {
-  return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_set1_ps(x), acc);
-}
-
-// M rows of x [m, k] times one block of 32 outputs in the blocked layout: for each group of
-// inputs the block's weights are two 64-byte loads and each row's group one broadcast, so an
-// output is a sum over k in order, with no horizontal sum and no widening; 2 * M accumulators
-// stay in registers. The block is one contiguous stream of k * 32 weights.
-template <int M, typename T>
-void block_tile(const T* x, const T* w, float* out, int64_t k, int64_t n) {
-  using Lane = std::conditional_t<std::is_same_v<T, float>, float, int32_t>;
-  constexpr int64_t G = sizeof(Lane) / sizeof(T);
-  __m512 lo[M], hi[M];
-  for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  const auto* xl = reinterpret_cast<const Lane*>(x);
-  const char* ahead = reinterpret_cast<const char*>(w) + BLOCK_PREFETCH_BYTES;
-  for (int64_t p = 0; p < k / G; ++p, ahead += 128) {
-    _mm_prefetch(ahead, _MM_HINT_T1);
-    _mm_prefetch(ahead + 64, _MM_HINT_T1);
-    const T* wp = w + p * BLOCK * G;
-    for (int i = 0; i < M; ++i) {
-      const Lane xv = xl[i * k / G + p];
-      lo[i] = lane_fma(lo[i], wp, xv);
-      hi[i] = lane_fma(hi[i], wp + 16 * G, xv);
-    }
-  }
-  for (int i = 0; i < M; ++i) {
-    _mm512_storeu_ps(out + i * n, lo[i]);
-    _mm512_storeu_ps(out + i * n + 16, hi[i]);
-  }
-}
-
-// The float32 sums of x [m, k] @ w.T for a weight [n, k] in the blocked layout, a block at a
-// time: up to 12 rows of x in registers, more rows meeting the block again while it is in cache,
-// so the weights stream from memory once.
-template <typename T>
-void block_linear_sums(const T* x, const T* w, float* out, int64_t m, int64_t k, int64_t n) {
-  for (int64_t b = 0; b < n; b += BLOCK) {
-    const T* wb = w + b * k;
-    for (int64_t i = 0; i < m; i += 12) {
-      const T* xi = x + i * k;
-      float* oi = out + i * n + b;
-      dispatch_rows<12>(m - i, [&](auto rows) {
-        block_tile<decltype(rows)::value>(xi, wb, oi, k, n);
-      });
-    }
-  }
-}
-#endif
-
-// Whether this build has the blocked kernel for T (layers/moe.py's can_block asks the CPU).
-template <typename T>
-constexpr bool has_block_kernel() {
-#if defined(__AVX512BF16__)
-  return true;
-#elif defined(__AVX512F__)
-  return std::is_same_v<T, float>;
-#else
-  return false;
-#endif
-}
-
 // One expert's n rows on raw memory, its matmuls given: gate_up = matmul13(x) and y =
 // matmul2(silu_and_mul(gate_up)), each written in T, then out's rows = y * the rows' weights,
 // rounded to T (the weight in its dtype, as grouped_experts applies it). No tensor allocation or
@@ -143,21 +63,13 @@ void raw_expert(const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w
     return [&, k, outs](const T* a, T* dst) {
       thread_local std::vector<float> sums;
       sums.resize(n * outs);
-      bool done = false;
-#if defined(__AVX512F__)
-      if constexpr (has_block_kernel<T>()) {
-        if (blocked) {
-          block_linear_sums(a, blocked->data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
-          done = true;
-        }
-      }
-#endif
-      if (!done) {
-        if constexpr (std::is_same_v<T, at::BFloat16>)
-          small_linear_sums(a, w.data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
-        else
-          TORCH_CHECK(false, "moe_experts: a float32 expert on raw memory needs the blocked "
-                             "layout");
+      if (blocked) {
+        block_linear_sums(a, blocked->data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
+      } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+        small_linear_sums(a, w.data_ptr<T>() + e * outs * k, sums.data(), n, k, outs);
+      } else {
+        TORCH_CHECK(false, "moe_experts: a float32 expert on raw memory needs the blocked "
+                           "layout");
       }
       for (int64_t i = 0; i < n * outs; ++i) dst[i] = narrow<T>(sums[i]);
     };
@@ -322,43 +234,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
     if (error) std::rethrow_exception(error);
   }
   return at::zeros_like(x).index_add_(0, token_t, out);
-}
-
-// x [m, k] @ w.T for a weight [n, k] given in the blocked layout [n / 32, k / G, 32, G], rounded to
-// x's dtype (layers/moe.py's expert_linear on block-packed experts): the blocks of 32 outputs
-// spread over the threads, each output's sum as moe_experts computes it.
-at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked) {
-  TORCH_CHECK(x.dim() == 2 && blocked.dim() == 4 && blocked.size(2) == BLOCK &&
-                  x.size(1) == blocked.size(1) * blocked.size(3) &&
-                  blocked.size(3) * blocked.element_size() == 4,
-              "blocked_linear: x [m, k] and the blocked layout [n / 32, k / G, 32, G] expected");
-  TORCH_CHECK(x.scalar_type() == blocked.scalar_type() && blocked.is_contiguous(),
-              "blocked_linear: x and a contiguous blocked weight of one dtype expected");
-  const auto xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = blocked.size(0) * BLOCK;
-  auto out = at::empty({m, n}, x.options());
-  dispatch(x.scalar_type(), "blocked_linear", [&](auto zero) {
-    using T = decltype(zero);
-    TORCH_CHECK(has_block_kernel<T>(), "blocked_linear: this build has no kernel for ",
-                x.scalar_type());
-#if defined(__AVX512F__)
-    if constexpr (has_block_kernel<T>()) {
-      const T* xp = xc.data_ptr<T>();
-      const T* wp = blocked.data_ptr<T>();
-      T* op = out.data_ptr<T>();
-      at::parallel_for(0, n / BLOCK, 1, [&](int64_t b0, int64_t b1) {
-        std::vector<float> sums(m * BLOCK);
-        for (int64_t b = b0; b < b1; ++b) {
-          block_linear_sums(xp, wp + b * BLOCK * k, sums.data(), m, k, BLOCK);
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < BLOCK; ++j)
-              op[i * n + b * BLOCK + j] = narrow<T>(sums[i * BLOCK + j]);
-        }
-      });
-    }
-#endif
-  });
-  return out;
 }
 
 }  // namespace hotswap

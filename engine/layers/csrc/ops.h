@@ -38,8 +38,8 @@ bool head_amx();
 at::Tensor head_pack(const at::Tensor& w);
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                        const at::Tensor& packed, int64_t vocab);
-// How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL and INT8, which pick it.
-constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3;
+// How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL, INT8 and BLOCKED.
+constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3, PATH_BLOCKED = 4;
 // x [m, k] @ w.T (+ b) (+ residual) exactly as layers/linear.py's linear() computes it on
 // `path` (decode_layer.cpp).
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
@@ -49,7 +49,14 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
                        const at::Tensor& topk_weights, int64_t small_rows, int64_t dense_path,
                        const std::optional<at::Tensor>& blocked13,
                        const std::optional<at::Tensor>& blocked2, at::TensorList quant);
-at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked);
+// The float32 sums of x [m, k] @ w.T for a weight [n, k] in the blocked layout
+// (blocked_linear.cpp), on the calling thread: each a sum over k in order, whatever m.
+template <typename T>
+void block_linear_sums(const T* x, const T* w, float* out, int64_t m, int64_t k, int64_t n);
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& residual, bool float_out,
+                          int64_t outputs = -1);
 // The Hadamard block of an int8 linear with k inputs (layers/quant.py's hadamard_block): the
 // largest power of two dividing k, at most 512.
 inline int64_t hadamard_block(int64_t k) { return std::min<int64_t>(k & -k, 512); }

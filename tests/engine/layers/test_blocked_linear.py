@@ -1,0 +1,47 @@
+"""cpu_kernels.blocked_linear, the batch-invariant matmul of deterministic=True: every row's
+bits are the same whatever the rows beside it, their order and count; the sums are x @ w.T
+(+ bias) (+ residual) to float32 rounding; padded outputs and bad shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotswap.engine.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(96, 64), (70, 128), (8, 40)])  # 70, 8: padded to 32s
+def test_rows_never_depend_on_their_batch(dtype, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(75, k, generator=g).to(dtype)
+    res = torch.randn(75, n, generator=g).to(dtype)
+    blocked = cpu_kernels.block_pack(w)
+    full = cpu_kernels.blocked_linear(x, blocked, bias, res, outputs=n)
+    assert full.shape == (75, n) and full.dtype == dtype
+    for rows in ([0], [74], list(range(13)), [5, 3, 60, 2]):
+        idx = torch.tensor(rows)
+        part = cpu_kernels.blocked_linear(x[idx], blocked, bias, res[idx], outputs=n)
+        assert torch.equal(part, full[idx])
+    perm = torch.randperm(75, generator=g)
+    assert torch.equal(cpu_kernels.blocked_linear(x[perm], blocked, bias, res[perm], outputs=n),
+                       full[perm])
+    want = x.double() @ w.double().T + bias.double() + res.double()
+    sums = cpu_kernels.blocked_linear(x, blocked, bias, res, float_out=True, outputs=n)
+    assert sums.dtype == torch.float32
+    assert torch.allclose(sums.double(), want, rtol=0, atol=1e-4 * k ** 0.5)
+    assert torch.equal(full, sums.to(dtype))  # one rounding of the float32 sum
+
+
+def test_bad_shapes_are_refused():
+    w = cpu_kernels.block_pack(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="blocked layout"):
+        cpu_kernels.blocked_linear(torch.randn(3, 16), w)
+    with pytest.raises(RuntimeError, match="outputs"):
+        cpu_kernels.blocked_linear(torch.randn(3, 32), w, outputs=20)
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu_kernels.blocked_linear(torch.randn(3, 32), w, residual=torch.randn(2, 64))
