@@ -326,9 +326,6 @@ class EngineConfig:
                                    or not 1 <= layers < model.num_layers):
             raise ValueError(f"speculative_self_layers={layers}: needs speculative='self' and "
                              f"a value in [1, {model.num_layers - 1}]")
-        if self.speculative is not None and self.deterministic:
-            raise ValueError("speculative with deterministic=True is not supported (untested "
-                             "together; docs/rl.md#deterministic-rollouts-and-exact-logprobs)")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

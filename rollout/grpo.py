@@ -134,9 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--max-turns must be >= 1")
     if args.tis is not None and not args.tis > 1:
         raise SystemExit("--tis C needs C > 1")
-    if args.exact_logprobs and (args.routing_replay or args.quantization or args.speculative):
+    if args.exact_logprobs and (args.routing_replay or args.quantization):
         raise SystemExit("--exact-logprobs computes the engine's own logprobs and routes: "
-                         "without --routing-replay, --quantization or --speculative")
+                         "without --routing-replay or --quantization")
     return args
 
 

@@ -63,6 +63,9 @@ class Scheduler(SchedulerControl, StepOutputs):
                                        runner.model_config.vocab_size, outputs.eos_ids,
                                        runner.device)
         self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
+        if config.speculative and config.deterministic and not runner.batch_invariant:
+            raise ValueError("speculative with deterministic=True needs the batch-invariant CPU "
+                             "kernels (rows run alone without them)")
         self.spec = (Speculator(config, runner, self.lora.prepare) if config.speculative
                      else None)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)

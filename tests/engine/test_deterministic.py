@@ -161,3 +161,18 @@ def test_kv_written_by_decode_equals_kv_written_by_prefill(model_path, dtype):
         cold = engine.generate(input_ids=longer, sampling_params=follow, return_logprob=True)
     assert cold["meta_info"]["cached_tokens"] == 0
     assert result(warm) == result(cold)
+
+
+def test_speculative_rows_equal_alone(model_path, dtype, alone):
+    """Speculative decoding under deterministic=True: verify rows are decode rows of the same
+    kernels, and the draft length (learnt from timings) changes only how many tokens a step
+    emits, never their bits. (The self-draft drafts at every step; n-gram drafts verify in the
+    same rows but random prompts give them little to find.)"""
+    reqs, where = batch_of_64(seed=13)
+    with make(model_path, dtype, speculative="self", speculative_self_layers=1) as engine:
+        engine.scheduler.spec.lengths.choose = lambda batch: 3  # speculate on every step
+        outs = run(engine, reqs)
+        assert engine.scheduler.stats["spec_verify_steps"] > 0
+        engine.check_integrity()
+    for i in range(COUNT):
+        assert result(outs[where[i]]) == alone[i], f"request {i}"

@@ -145,8 +145,7 @@ def test_opt_out_and_grammar_rows_do_not_speculate(model_path):
     ({"speculative": "draft"}, "not implemented"),
     ({"speculative": "ngram", "speculative_num_draft_tokens": 0}, "speculative_num_draft"),
     ({"speculative": "ngram", "speculative_self_layers": 2}, "speculative_self_layers"),
-    ({"speculative": "self", "speculative_self_layers": LAYERS}, "speculative_self_layers"),
-    ({"speculative": "ngram", "deterministic": True}, "deterministic")])
+    ({"speculative": "self", "speculative_self_layers": LAYERS}, "speculative_self_layers")])
 def test_bad_options_refused(model_path, options, match):
     with pytest.raises(ValueError, match=match):
         make_engine(model_path, **options)
