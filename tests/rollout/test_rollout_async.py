@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from fixtures import write_tiny_chat_model
@@ -108,15 +110,26 @@ def test_tokens_two_versions_old_are_masked_or_dropped(engine, model_path, stale
     client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True})
     rows = [{"prompt": "Hello", "sampling": SHORT, "kind": "short"},
             {"prompt": "A long one", "sampling": LONG, "kind": "long"}]
+    held = threading.Event()
+
+    def hold_after_the_short_group(traj) -> float:
+        """Scored as the short group finishes, on the runner's thread: generation is held
+        there, while the long group (group 1) has its first tokens, until both pushes are in
+        (a test thread that paused after get_batch could lose the race to 120 tokens of a tiny
+        model on a loaded machine: it did, twice)."""
+        if traj.row["kind"] == "short" and not held.is_set():
+            engine.pause_generation(mode="in_place")
+            held.set()
+        return 0.0
+
     runner = AsyncRollout(client, SingleTurn(), rows, group_size=1, batch_groups=1,
-                          max_staleness=1, partial=True, stale=stale, max_concurrent_groups=2)
+                          max_staleness=1, partial=True, stale=stale, max_concurrent_groups=2,
+                          reward=hold_after_the_short_group)
     handed = []
     with runner:
         runner.get_batch(timeout=60)
-        # Two updates while the long group (group 1) runs: its first tokens are then two
-        # versions old. Generation is held across both, so the group cannot finish in between
-        # (120 tokens of a tiny model can outrun two pushes on a fast machine).
-        engine.pause_generation(mode="in_place")
+        # Two updates while the long group runs: its first tokens are then two versions old.
+        assert held.is_set()
         push(engine, model_path, 0)
         push(engine, model_path, 1)
         engine.continue_generation()
