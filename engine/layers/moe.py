@@ -255,9 +255,9 @@ class FusedMoE(nn.Module):
         (deterministic=True): the router and the experts blocked, whatever the CPU (the
         portable kernel where the vector one is missing), so a token's routing and expert
         outputs never depend on the batch."""
-        self.packs = None
-        self.gate_blocked = block_pack(self.gate.weight) if invariant else None
+        self.packs, self.gate_blocked = None, None
         if invariant:
+            self.gate_blocked = block_pack(self.gate.weight)
             self.packs = ExpertPacks([], [], block_pack(self.w13), block_pack(self.w2))
             return
         if not enable or self.quant is not None:
