@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "int8")
 SPECULATIVE = (None, "ngram", "self")
+ROLES = ("both", "prefill", "decode")
 # CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # What bf16 costs without them (bench/throughput.py, batch 64, under HOTSWAP_CPU_ISA=avx2).
@@ -236,6 +237,10 @@ class EngineConfig:
     speculative: str | None = None
     speculative_num_draft_tokens: int = 8
     speculative_self_layers: int | None = None
+    # Prefill/decode roles (docs/fleet.md#prefill-and-decode): "prefill" serves Engine.prefill
+    # only (a prompt's KV and first token, handed off), "decode" serves generate_from_handoff
+    # and generate; "both" (default) serves everything.
+    role: str = "both"
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""
@@ -262,6 +267,7 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         self._check_hicache()
+        self._check_role()
         self._check_quantization(device)
         self._check_routed_experts(model)
         self._check_speculative(model)
@@ -287,6 +293,18 @@ class EngineConfig:
                        "context_length set to %d (of max_position_embeddings %d)", window,
                        window, model.max_position_embeddings)
         return window
+
+    def _check_role(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "both":
+            return
+        if self.tp_size != 1:
+            raise ValueError(f"role={self.role!r} with tp_size={self.tp_size}: a KV handoff "
+                             "reads and writes one process's KV pool; use tp_size=1")
+        if self.role == "decode" and not self.enable_prefix_cache:
+            raise ValueError("role='decode' needs enable_prefix_cache=True: handed-off KV "
+                             "enters the radix cache, where the request finds it")
 
     def _check_quantization(self, device: str) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -2,8 +2,10 @@
 
 `Router(urls)` fronts several `python -m hotswap.engine.server` processes as one EngineClient;
 `create_router_app(router)` is its HTTP front, and `python -m hotswap.fleet --urls ...` runs it.
-`RayFleet(model_path, replicas=N)` starts engine replicas as Ray actors (`EngineReplica`) and is
-one EngineClient too; it needs the `ray` extra, imported only when used.
+`PDRouter(prefill=[...], decode=[...])` computes prompts on prefill engines and hands their KV
+to decode engines (disagg.py). `RayFleet(model_path, replicas=N)` starts engine replicas as Ray
+actors (`EngineReplica`) and is one EngineClient too; it needs the `ray` extra, imported only
+when used.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import Any
 
 from hotswap.fleet.affinity import PrefixAffinity
 from hotswap.fleet.coordinator import ServersDisagree
+from hotswap.fleet.disagg import PDRouter
 from hotswap.fleet.router import Router
 
-__all__ = ["EngineReplica", "PrefixAffinity", "RayFleet", "ReplicaGone", "Router",
+__all__ = ["EngineReplica", "PDRouter", "PrefixAffinity", "RayFleet", "ReplicaGone", "Router",
            "ServersDisagree", "create_router_app"]
 
 

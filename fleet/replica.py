@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hotswap.engine import Engine
-from hotswap.engine.client.protocol import interface_methods
+from hotswap.engine.client.protocol import handoff_methods, interface_methods
 from hotswap.weight_sync.bucket import dtype_to_str, str_to_dtype
 from hotswap.weight_sync.delta import Delta
 
@@ -31,7 +31,7 @@ Packed = list[tuple[str, str, tuple[int, ...], np.ndarray]]
 # Calls the fleet forwards by name (ReplicaClient spells out one method for each): the engine
 # interface, minus generation and what the replica implements itself, plus its load.
 FORWARDED = (interface_methods() - {"generate", "async_generate", "shutdown",
-                                    "weight_sync_ranks"}) | {"get_load"}
+                                    "weight_sync_ranks"}) | {"get_load"} | handoff_methods()
 
 
 class EngineReplica:
@@ -69,13 +69,30 @@ class EngineReplica:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "weight_version": self.engine.get_weight_version(),
                 "weight_sync_ranks": self.engine.weight_sync_ranks,
-                "running": load["running"], "waiting": load["waiting"], "url": self.url}
+                "running": load["running"], "waiting": load["waiting"], "url": self.url,
+                "node_ip": ray.util.get_node_ip_address()}
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One engine method by name (the interface's control calls)."""
         if method not in FORWARDED:
             raise ValueError(f"{method!r} is not an engine call a replica forwards")
+        if kwargs.get("stream"):
+            raise ValueError(f"{method}(stream=True): a stream is a Ray streaming generator "
+                             "(generate_from_handoff_stream)")
         return getattr(self.engine, method)(*args, **kwargs)
+
+    def generate_from_handoff_stream(self, handoff: dict, kwargs: dict[str, Any]
+                                     ) -> Iterator[dict]:
+        """A Ray streaming generator of generate_from_handoff's incremental outputs."""
+        yield from self.engine.generate_from_handoff(handoff, **kwargs, stream=True)
+
+    def free_port(self) -> int:
+        """A TCP port free on this actor's node (a KV transfer group's master)."""
+        import ray
+
+        from hotswap.weight_sync.group import free_port
+
+        return free_port(ray.util.get_node_ip_address())
 
     def generate(self, kwargs: dict[str, Any]) -> list[dict]:
         return self.engine.generate(**kwargs, stream=False)

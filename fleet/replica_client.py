@@ -196,3 +196,44 @@ class ReplicaClient:
 
     @_forwarded
     def list_lora_adapters(self) -> dict[str, int]: ...
+
+    # the prefill/decode handoff (fleet/disagg.py)
+
+    @_forwarded
+    def prefill(self, prompt: str | list[str] | None = None,
+                sampling_params: dict | list[dict] | None = None,
+                input_ids: list[int] | list[list[int]] | None = None, *,
+                messages: list[dict] | list[list[dict]] | None = None,
+                return_logprob: bool = False, top_logprobs_num: int = 0,
+                lora_name: str | list[str] | None = None,
+                cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
+                return_routed_experts: bool = False, transport: str = "auto") -> dict: ...
+
+    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
+                              return_logprob: bool = False, top_logprobs_num: int = 0,
+                              lora_name: str | None = None, cache_salt: str | None = None,
+                              rid: str | None = None, stream: bool = False,
+                              return_routed_experts: bool = False) -> Any:
+        kwargs = {"sampling_params": sampling_params, "return_logprob": return_logprob,
+                  "top_logprobs_num": top_logprobs_num, "lora_name": lora_name,
+                  "cache_salt": cache_salt, "rid": rid,
+                  "return_routed_experts": return_routed_experts}
+        if not stream:
+            return self.get(self.actor.call.remote("generate_from_handoff", handoff, **kwargs))
+        refs = self.actor.generate_from_handoff_stream.options(
+            num_returns="streaming").remote(handoff, kwargs)
+        return (self.get(ref) for ref in refs)
+
+    @_forwarded
+    def init_kv_transfer_group(self, master_address: str, master_port: int, rank: int,
+                               world_size: int, group_name: str = "kv_transfer",
+                               backend: str = "auto") -> dict: ...
+
+    @_forwarded
+    def send_kv_handoff(self, handoff_id: str, dst_rank: int) -> dict: ...
+
+    @_forwarded
+    def drop_kv_handoff(self, handoff_id: str) -> bool: ...
+
+    @_forwarded
+    def destroy_kv_transfer_group(self) -> dict: ...

@@ -135,6 +135,7 @@ BENCH_INTERNALS: dict[str, tuple[str, ...]] = {
     "bench/gpu_check.py": (f"{_WS}.group.free_port", f"{_WS}.rpc"),
     "bench/fleet.py": (f"{_WS}.group.free_port",),
     "bench/tensor_parallel.py": (f"{_WS}.group.free_port",),
+    "bench/disagg.py": (f"{_WS}.group.free_port",),
 }
 
 

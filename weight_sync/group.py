@@ -89,6 +89,29 @@ class WeightGroup:
         except RuntimeError as err:
             raise self._failed(err) from err
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Point to point: `tensor`'s bytes to rank `dst`, matched by `tag` (several transfers
+        may be in flight between two ranks)."""
+        self.wait(self._p2p("send", tensor, dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        """In place: the bytes rank `src` sends with `tag` land in `tensor`."""
+        self.wait(self._p2p("recv", tensor, src, tag))
+
+    def _p2p(self, op: str, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | None:
+        if self._pg is None:
+            raise WeightSyncError(f"group {self.name!r} (rank {self.rank}) is destroyed")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"peer rank {peer}: not another rank of {self.name!r} "
+                             f"(world size {self.world_size}, this rank {self.rank})")
+        if tensor.numel() == 0:
+            return None
+        payload = tensor.reshape(-1).view(torch.uint8)
+        try:
+            return getattr(self._pg, op)([payload], peer, tag)
+        except RuntimeError as err:
+            raise self._failed(err) from err
+
     def wait(self, work: dist.Work | None) -> None:
         if work is None:
             return
@@ -98,7 +121,7 @@ class WeightGroup:
             raise self._failed(err) from err
 
     def _failed(self, err: Exception) -> WeightSyncError:
-        return WeightSyncError(f"broadcast on group {self.name!r} (rank {self.rank}) failed: {err}")
+        return WeightSyncError(f"transfer on group {self.name!r} (rank {self.rank}) failed: {err}")
 
     def _wait(self, work: dist.Work) -> None:
         if self.backend == "gloo":

@@ -25,6 +25,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 STAGING_MODES = ("standby", "none")
 MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
 MEMORY_TAGS = ("weights", "kv_cache")
+# How a prefill engine's KV reaches a decode engine (docs/fleet.md#prefill-and-decode).
+KV_TRANSPORTS = ("inline", "shm", "group")
 
 Prompt = str | list[str] | None
 SamplingArg = dict | list[dict] | None
@@ -270,6 +272,46 @@ class EngineClient(ABC):
         """Loaded adapters and their versions."""
 
 
+class HandoffClient(ABC):
+    """The prefill/decode handoff (docs/fleet.md#prefill-and-decode), declared once: Engine and
+    RemoteEngine implement it; hotswap.fleet.PDRouter calls it on each engine of a pair."""
+
+    @abstractmethod
+    def prefill(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
+                input_ids: TokenIds = None, *, messages: list | None = None,
+                return_logprob: bool = False, top_logprobs_num: int = 0,
+                lora_name: PerPrompt = None, cache_salt: PerPrompt = None, rid: PerPrompt = None,
+                return_routed_experts: bool = False, transport: str = "auto") -> dict:
+        """One prompt's KV and first token; meta_info["kv_handoff"] describes the KV."""
+
+    @abstractmethod
+    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
+                              return_logprob: bool = False, top_logprobs_num: int = 0,
+                              lora_name: str | None = None, cache_salt: str | None = None,
+                              rid: str | None = None, stream: bool = False,
+                              return_routed_experts: bool = False
+                              ) -> dict | list[dict] | Iterator[dict]:
+        """Decode on from a prefill output (its KV used only under the same namespace)."""
+
+    @abstractmethod
+    def init_kv_transfer_group(self, master_address: str, master_port: int, rank: int,
+                               world_size: int, group_name: str = "kv_transfer",
+                               backend: str = "auto") -> dict:
+        """Join the process group that "group" handoffs travel over."""
+
+    @abstractmethod
+    def send_kv_handoff(self, handoff_id: str, dst_rank: int) -> dict:
+        """Send a kept "group" handoff to the decode engine at dst_rank."""
+
+    @abstractmethod
+    def drop_kv_handoff(self, handoff_id: str) -> bool:
+        """Forget a kept "group" handoff."""
+
+    @abstractmethod
+    def destroy_kv_transfer_group(self) -> dict:
+        """Leave the KV transfer group."""
+
+
 def routes_to_json(routes: np.ndarray) -> dict[str, Any]:
     """meta_info["routed_experts"] over HTTP: the array's little-endian bytes in base64."""
     dtype = routes.dtype.newbyteorder("<")
@@ -291,6 +333,11 @@ def decode_outputs(outputs: Any) -> Any:
         if isinstance(meta.get("routed_experts"), dict):
             meta["routed_experts"] = routes_from_json(meta["routed_experts"])
     return outputs
+
+
+def handoff_methods() -> frozenset[str]:
+    """The names of the prefill/decode handoff (HandoffClient's)."""
+    return frozenset(name for name in dir(HandoffClient) if not name.startswith("_"))
 
 
 def interface_methods() -> frozenset[str]:

@@ -15,8 +15,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 
-from hotswap.engine.client.protocol import EngineClient, decode_outputs
+from hotswap.engine.client.protocol import (
+    EngineClient,
+    HandoffClient,
+    decode_outputs,
+    routes_to_json,
+)
 from hotswap.engine.errors import RemoteEngineError, WeightsIncompleteError
 from hotswap.weight_sync.serialize import serialize_named_tensors
 
@@ -25,7 +31,7 @@ _GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "retur
                     "return_routed_experts", "session_id")
 
 
-class RemoteEngine(EngineClient):
+class RemoteEngine(EngineClient, HandoffClient):
     def __init__(self, url: str, api_key: str | None = None, admin_key: str | None = None,
                  timeout_s: float | None = None, connect_timeout_s: float = 10.0):
         """timeout_s: per-request read limit (None: wait as long as generation takes)."""
@@ -75,8 +81,8 @@ class RemoteEngine(EngineClient):
             return self._stream(body)
         return decode_outputs(self._call("POST", "/generate", body))
 
-    def _stream(self, body: dict[str, Any]) -> Iterator[dict]:
-        with self._client.stream("POST", "/generate", json={**body, "stream": True},
+    def _stream(self, body: dict[str, Any], path: str = "/generate") -> Iterator[dict]:
+        with self._client.stream("POST", path, json={**body, "stream": True},
                                  headers=self._headers(False)) as response:
             if response.status_code != 200:
                 _raise_for_error(response.status_code, response.read())
@@ -273,6 +279,53 @@ class RemoteEngine(EngineClient):
             serialized_tensors=serialize_named_tensors(tensors), config_dict=config_dict,
             pause_mode=pause_mode)
 
+    # prefill/decode handoff (docs/fleet.md#prefill-and-decode): the KV travels by shm or
+    # the KV transfer group, never in the JSON
+
+    def prefill(self, prompt: str | list[str] | None = None,
+                sampling_params: dict | list[dict] | None = None,
+                input_ids: list[int] | list[list[int]] | None = None, *,
+                messages: list[dict] | list[list[dict]] | None = None,
+                return_logprob: bool = False, top_logprobs_num: int = 0,
+                lora_name: str | list[str] | None = None,
+                cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
+                return_routed_experts: bool = False, transport: str = "auto") -> dict:
+        if transport == "inline":
+            raise ValueError('transport="inline" passes a tensor in-process; over HTTP use '
+                             '"shm" (one host) or "group"')
+        transport = "shm" if transport == "auto" else transport
+        body = {k: v for k, v in locals().items() if k != "self" and v is not None}
+        return decode_outputs(self._call("POST", "/prefill", body))
+
+    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
+                              return_logprob: bool = False, top_logprobs_num: int = 0,
+                              lora_name: str | None = None, cache_salt: str | None = None,
+                              rid: str | None = None, stream: bool = False,
+                              return_routed_experts: bool = False
+                              ) -> dict | list[dict] | Iterator[dict]:
+        body = {k: v for k, v in locals().items() if k != "self" and v is not None}
+        body["handoff"] = _routes_encoded(handoff)
+        if stream:
+            return self._stream(body, "/generate_from_handoff")
+        return decode_outputs(self._call("POST", "/generate_from_handoff", body))
+
+    def init_kv_transfer_group(self, master_address: str, master_port: int, rank: int,
+                               world_size: int, group_name: str = "kv_transfer",
+                               backend: str = "auto") -> dict:
+        return self._post_control("/init_kv_transfer_group", master_address=master_address,
+                                  master_port=master_port, rank=rank, world_size=world_size,
+                                  group_name=group_name, backend=backend)
+
+    def send_kv_handoff(self, handoff_id: str, dst_rank: int) -> dict:
+        return self._post_control("/send_kv_handoff", handoff_id=handoff_id,
+                                  dst_rank=dst_rank)
+
+    def drop_kv_handoff(self, handoff_id: str) -> bool:
+        return self._post_control("/drop_kv_handoff", handoff_id=handoff_id)["success"]
+
+    def destroy_kv_transfer_group(self) -> dict:
+        return self._post_control("/destroy_kv_transfer_group")
+
     def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
         body = {"ttl_s": ttl_s, **({"session_id": session_id} if session_id else {})}
         return self._call("POST", "/open_session", body)["session_id"]
@@ -307,6 +360,15 @@ def _sse_event(line: str) -> Any:
     if "error" in event:
         raise RemoteEngineError(500, event["error"].get("message", "stream failed"))
     return event
+
+
+def _routes_encoded(output: dict) -> dict:
+    """A prefill output with its routed experts as JSON (the server decodes them back)."""
+    meta = output.get("meta_info", {})
+    if not isinstance(meta.get("routed_experts"), np.ndarray):
+        return output
+    return {**output, "meta_info": {**meta,
+                                    "routed_experts": routes_to_json(meta["routed_experts"])}}
 
 
 def _generate_body(args: dict[str, Any]) -> dict[str, Any]:

@@ -115,6 +115,15 @@ class Req:
     stop_scan_from: int = 0
     streamed_ids: int = 0
     streamed_text: int = 0
+    # Prefill/decode handoff (engine/kvcache/handoff.py). A prefill engine's request exports
+    # its prompt's KV when it has sampled its first token (export_kv -> kv_export). A decode
+    # engine's request brings KV to import before admission (handoff), pinned in the tree by
+    # handoff_lock until admitted; handoff_result is what became of it, for the output.
+    export_kv: bool = False
+    kv_export: Any = None
+    handoff: Any = None
+    handoff_lock: PrefixLock | None = None
+    handoff_result: dict[str, Any] | None = None
 
     @property
     def fill_ids(self) -> list[int]:

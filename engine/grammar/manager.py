@@ -58,6 +58,12 @@ class RequestGrammar:
         self.accepted += ok
         return ok
 
+    def replay(self, tokens: list[int]) -> None:
+        """Feed the tokens past those taken (sampled elsewhere under the same grammar)."""
+        for token in tokens[self.accepted:]:
+            if not self.accept(token):
+                break
+
     def sync(self, kept_tokens: int) -> None:
         """Roll the matcher back to the first `kept_tokens` output tokens."""
         if self.accepted > kept_tokens:

@@ -59,10 +59,52 @@ class KVPool:
         self.k_buffers[layer_id].index_copy_(0, loc, k.reshape(shape))
         self.v_buffers[layer_id].index_copy_(0, loc, v.reshape(shape))
 
+    def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV at `slots` as one [2 * layers, n, kv_heads, head_dim] CPU tensor (K of every
+        layer, then V)."""
+        buffers = self.k_buffers + self.v_buffers
+        n = slots.numel()
+        out = torch.empty((len(buffers), n, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+                          device=self.device)
+        lo = _run_start(slots)
+        idx = slots.to(self.device)
+        for dst, src in zip(out, buffers):
+            if lo is None:
+                torch.index_select(src, 0, idx, out=dst)
+            else:
+                dst.copy_(src[lo: lo + n])
+        return out.cpu()
+
+    def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor,
+                     routes: torch.Tensor | None = None) -> None:
+        """Write `kv` (read_tokens' layout) and, where kept, `routes` at `slots`."""
+        idx = slots.to(self.device)
+        lo = _run_start(slots)
+        for src, dst in zip(kv.to(self.device), self.k_buffers + self.v_buffers):
+            if lo is None:
+                dst.index_copy_(0, idx, src)
+            else:
+                dst[lo: lo + slots.numel()].copy_(src)
+        if self.routes is not None:
+            if routes is None:
+                self.routes.index_fill_(0, idx, -1)
+            else:
+                self.routes.index_copy_(0, idx, routes.to(self.device))
+
     def read_routes(self, slots: torch.Tensor) -> torch.Tensor:
         """The routing kept at `slots`: [len(slots), moe_layers, top_k] int16, on the CPU."""
         assert self.routes is not None
         return self.routes.index_select(0, slots.to(self.device)).cpu()
+
+
+def _run_start(slots: torch.Tensor) -> int | None:
+    """The first slot when `slots` are one consecutive run (a fresh prompt's pages: copied as
+    a slice, at memcpy speed), else None."""
+    n = slots.numel()
+    if n == 0:
+        return None
+    lo = int(slots[0])
+    return lo if int(slots[-1]) - lo == n - 1 and bool((slots.diff() == 1).all()) else None
 
 
 class TokenToKVPoolAllocator:

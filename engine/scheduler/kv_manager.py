@@ -10,12 +10,14 @@ leaves. Pages never mix owners: `tree_prefix_len` is always a multiple of page_s
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
 from hotswap.engine.core.forward_batch import flat_ranges
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import Req
+from hotswap.engine.kvcache.handoff import HandoffRefused
 from hotswap.engine.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from hotswap.engine.kvcache.radix_cache import RadixCache
 
@@ -95,6 +97,7 @@ class KVManager:
         ids = self._matchable(req)
         match = self.tree.match_prefix(ns, ids)
         self.tree.inc_lock_ref(match.last_node)
+        self.unpin_handoff(req)  # the request's own lock holds the handed-off prefix now
         loaded = self.tree.fetch_lower_tiers(ns, ids, match)  # HiCache: host / storage KV
         match = loaded.match
         req.namespace, req.req_pool_idx, req.last_node = ns, row, match.last_node
@@ -125,6 +128,34 @@ class KVManager:
         if best is None:
             return torch.empty(0, dtype=torch.int64)
         return best.kv_slots[start:end]
+
+    def import_prefix(self, req: Req, ns: Namespace, tokens: list[int], write: Callable[
+            [torch.Tensor], None]) -> int:
+        """Put handed-off KV for `tokens` into the tree under `ns` (`write(slots)` fills the
+        new slots) and pin it for `req` until `admit` (or `unpin_handoff`); returns the tokens
+        the tree holds for them now. Raises HandoffRefused when no pages are free."""
+        if self.tree.disable:
+            raise HandoffRefused("this engine's prefix cache is disabled")
+        n = len(tokens)
+        short = n + self.page_size - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise HandoffRefused(f"no room for {n} tokens in the KV pool")
+        write(slots)
+        taken_from = self.tree.insert(ns, tokens, slots)
+        aligned = n - n % self.page_size
+        self.allocator.free(torch.cat((slots[:taken_from], slots[aligned:])))
+        match = self.tree.match_prefix(ns, tokens)
+        self.tree.inc_lock_ref(match.last_node)
+        req.handoff_lock = match.last_node
+        return match.slots.numel()
+
+    def unpin_handoff(self, req: Req) -> None:
+        if req.handoff_lock is not None:
+            self.tree.dec_lock_ref(req.handoff_lock)
+            req.handoff_lock = None
 
     def fork(self, req: Req, leader: Req) -> bool:
         """Start `req` on the KV of `leader`'s prompt, which the tree must hold whole.

@@ -127,6 +127,10 @@ class OutputProcessor:
             meta["output_token_logprobs"] = [[lp, t] for lp, t in zip(logprobs, ids)]
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = list(tops)
+        if req.kv_export is not None:  # the Engine turns it into meta_info["kv_handoff"]
+            meta["kv_export"] = req.kv_export
+        if req.handoff_result is not None:
+            meta["kv_handoff"] = req.handoff_result
         if req.return_routed_experts and req.finish_reason is not None:
             meta["routed_experts"] = (None if req.routed_experts is None
                                       else req.routed_experts.numpy())

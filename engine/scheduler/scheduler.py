@@ -29,6 +29,7 @@ from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.executor.sampling import Sampler
 from hotswap.engine.grammar.manager import GrammarManager
+from hotswap.engine.kvcache.handoff import Exported, HandoffRefused
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.control import SchedulerControl
@@ -82,7 +83,9 @@ class Scheduler(SchedulerControl, StepOutputs):
                       "cached_tokens": 0, "steps": 0, "step_s": 0.0,
                       # verify rows, drafted tokens they fed and kept, seconds spent drafting
                       "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                      "spec_draft_s": 0.0}
+                      "spec_draft_s": 0.0,
+                      # KV handoffs taken in (their tokens) and refused (decode engines)
+                      "handoff_tokens": 0, "handoffs_refused": 0}
         self._admit_counter = 0
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
@@ -192,6 +195,12 @@ class Scheduler(SchedulerControl, StepOutputs):
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "reqs":
             for req in payload:
+                if req.handoff is not None:
+                    self._import_handoff(req)
+                if req.finished:  # a handed-off sample that ended on the prefill engine
+                    self.kv.unpin_handoff(req)
+                    self.outputs.emit(req)
+                    continue
                 if req.params.max_new_tokens == 0:
                     self.finish(req, FinishReason("length"))
                     continue
@@ -216,7 +225,34 @@ class Scheduler(SchedulerControl, StepOutputs):
                 except BaseException as exc:  # noqa: BLE001 - delivered to the caller
                     future.set_exception(exc)
 
+    def _import_handoff(self, req: Req) -> None:
+        """A decode engine takes a prefill engine's KV for `req`'s prompt into its tree, if
+        it was computed under the namespace `req` runs in here; else `req` computes it."""
+        start = time.perf_counter()
+        incoming, req.handoff = req.handoff, None
+        handoff, ns = incoming.handoff, self.namespace(req)
+        result = {"id": handoff.id, "accepted": False, "tokens": 0, "reason": None,
+                  "bytes": handoff.nbytes, **handoff.timings,
+                  "receive_s": incoming.receive_s}
+        try:
+            reason = incoming.error or handoff.refusal(ns)
+            if reason is not None:
+                raise HandoffRefused(reason)
+            pool = self.runner.kv_pool
+            result["tokens"] = self.kv.import_prefix(
+                req, ns, handoff.token_ids,
+                lambda slots: pool.write_tokens(incoming.kv, slots, incoming.routes))
+            result["accepted"] = True
+            self.stats["handoff_tokens"] += result["tokens"]
+        except HandoffRefused as exc:
+            result["reason"] = str(exc)
+            self.stats["handoffs_refused"] += 1
+        result["import_s"] = time.perf_counter() - start
+        req.handoff_result = result
+
     def _enqueue(self, req: Req) -> None:
+        if req.grammar is not None and req.output_ids:  # tokens sampled on a prefill engine
+            req.grammar.replay(req.output_ids)
         leader = req.group_leader
         if leader is not None and not self.tree.disable and not leader.finished:
             self.forks.setdefault(leader.rid, []).append(req)
@@ -249,6 +285,9 @@ class Scheduler(SchedulerControl, StepOutputs):
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
+        if req.export_kv and reason.type != "abort" and self.is_live(req):
+            self._export_prompt_kv(req)
+        self.kv.unpin_handoff(req)
         self._keep_routes(req)
         if (req.session_id is not None and reason.type != "abort"
                 and req.req_pool_idx is not None and self.is_live(req)):
@@ -257,6 +296,18 @@ class Scheduler(SchedulerControl, StepOutputs):
         self.kv.release(req)
         self.waiting[:0] = self.forks.pop(req.rid, [])  # the leader is gone: prefill normally
         self.outputs.emit(req)
+
+    def _export_prompt_kv(self, req: Req) -> None:
+        """A prefill engine's request hands its prompt's KV on (engine/kvcache/handoff.py)."""
+        slots = req.kv_slots[: len(req.prompt_ids)]
+        if slots.numel() < len(req.prompt_ids):
+            return
+        start = time.perf_counter()
+        pool = self.runner.kv_pool
+        routes = pool.read_routes(slots) if pool.routes is not None else None
+        req.kv_export = Exported(req.namespace, list(req.prompt_ids), self.config.page_size,
+                                 pool.read_tokens(slots), routes)
+        req.kv_export.export_s = time.perf_counter() - start
 
     def abort_running(self, message: str) -> None:
         for req in list(self.running):

@@ -103,6 +103,8 @@ class StepOutputs:
             self.stats["generated_tokens"] += 1
             reason = self.grammars.accept(req) if req.grammar is not None else None
             reason = reason or self.outputs.check_finish(req)
+            if reason is None and req.export_kv:  # a prefill engine's part ends here
+                reason = FinishReason("handoff")
             if reason is not None:
                 break
         if draft:

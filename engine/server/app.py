@@ -31,6 +31,11 @@ from hotswap.engine.client.protocol import STAGING_MODES
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 from hotswap.engine.server.control_api import control, lora_routes, memory_routes
+from hotswap.engine.server.handoff_routes import (
+    handoff_control,
+    handoff_control_paths,
+    handoff_routes,
+)
 from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
 from hotswap.engine.server.protocol import (
@@ -238,16 +243,17 @@ def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = 
     app = FastAPI(title="hotswap", summary="Rollout engine with live weight updates")
     name = served_model_name or engine.config.model_path.rstrip("/").rsplit("/", 1)[-1]
     app.state.hotswap = state = ServerState(engine, name, tool_call_parser, reasoning_parser)
-    for router in ROUTERS:
+    for router in (*ROUTERS, handoff_routes, handoff_control):
         app.include_router(router)
     install_error_handlers(app)
     # Metrics label requests by route; any other path counts as "other".
     routes = {path for _, path, _ in route_table()}
+    routes |= {r.path for r in handoff_routes.routes} | handoff_control_paths()
     app.add_middleware(GuardMiddleware, api_key=api_key, admin_key=admin_key,
                        max_body_bytes=max_body_bytes,
                        count=lambda route, status: state.metrics.requests.labels(
                            route, str(status)).inc(), routes=routes,
-                       control_paths=control_paths())
+                       control_paths=control_paths() | handoff_control_paths())
     return app
 
 
@@ -292,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest draft of a step (the length is chosen by measurement)")
     e.add_argument("--speculative-self-layers", type=int, default=None,
                    help="layers of the self-draft (default: calibrated)")
+    e.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="prefill/decode disaggregation (docs/fleet.md#prefill-and-decode)")
     e.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes started by the server; each "
                         "joins a trainer's weight-update group itself)")
@@ -361,7 +369,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 hicache_storage_dir=args.hicache_storage_dir,
                 hicache_write_policy=args.hicache_write_policy,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                enable_return_routed_experts=args.enable_return_routed_experts)
+                enable_return_routed_experts=args.enable_return_routed_experts,
+                role=args.role)
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:

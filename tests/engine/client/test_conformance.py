@@ -26,7 +26,7 @@ from fixtures import serve, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, EngineClient, RemoteEngine
-from hotswap.engine.client.protocol import interface_methods
+from hotswap.engine.client.protocol import HandoffClient, handoff_methods, interface_methods
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.fleet import RayFleet, Router
 from hotswap.weight_sync import WeightSender
@@ -37,8 +37,9 @@ pytestmark = pytest.mark.slow
 KINDS = ("engine", "remote", "router", "ray")
 # Public names an implementation may have besides the interface; anything else is drift.
 EXTRAS: dict[type, set[str]] = {
-    Engine: {"get_load", "prepare_weights_from_tensor"},  # tensors in hand: in-process only
-    RemoteEngine: {"health", "get_metrics"},
+    # tensors in hand: in-process only; the prefill/decode handoff (HandoffClient)
+    Engine: {"get_load", "prepare_weights_from_tensor", *handoff_methods()},
+    RemoteEngine: {"health", "get_metrics", *handoff_methods()},
     Router: {"choose", "done", "mark_down", "least_loaded", "members", "call_each",
              "call_each_indexed", "headers", "session_server"},
     RayFleet: {"members", "call_each", "call_each_indexed", "scale", "replicas_info"},
@@ -149,6 +150,14 @@ def test_each_implementation_has_exactly_the_interface(impl):
         assert inspect.iscoroutinefunction(have) == inspect.iscoroutinefunction(want), name
     public = {n for n in dir(impl) if not n.startswith("_") and callable(getattr(impl, n))}
     assert public - interface_methods() == EXTRAS[impl]
+
+
+@pytest.mark.parametrize("impl", [Engine, RemoteEngine], ids=["engine", "remote"])
+def test_the_handoff_methods_have_one_signature(impl):
+    assert issubclass(impl, HandoffClient)
+    for name in handoff_methods():
+        want, have = getattr(HandoffClient, name), getattr(impl, name)
+        assert _shape(inspect.signature(have)) == _shape(inspect.signature(want)), name
 
 
 def test_generate_positional_in_sglang_order(client, models):

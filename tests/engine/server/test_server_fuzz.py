@@ -134,6 +134,7 @@ def test_bad_control_values_are_400(api_admin, api_user):
 
 FUZZ_SKIP = {
     "/init_weights_update_group",  # joins a rendezvous: waits for a trainer by design
+    "/init_kv_transfer_group",  # the same, for the other engines of a prefill/decode fleet
     "/pause_generation",  # would leave generation paused for the next cases
     "/release_memory_occupation",  # would leave KV or weights released for the next cases
 }
