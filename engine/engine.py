@@ -21,6 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hotswap.engine.client.protocol import (
+    KV_TRANSPORTS,
     EngineClient,
     HandoffClient,
     check_pause_mode,
@@ -32,7 +33,6 @@ from hotswap.engine.core.namespace import ServingVersion
 from hotswap.engine.core.request import FinishReason, Req, VersionSpan
 from hotswap.engine.distributed.launch import make_runner, resolve_launch
 from hotswap.engine.kvcache.handoff import (
-    TRANSPORTS,
     HandoffRefused,
     Incoming,
     KVHandoff,
@@ -229,8 +229,8 @@ class Engine(EngineClient, HandoffClient):
         init_kv_transfer_group)."""
         self._check_role("prefill", "decode")
         transport = "inline" if transport == "auto" else transport
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport not in KV_TRANSPORTS:
+            raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {transport!r}")
         if transport == "group" and self._kv_group is None:
             raise ValueError('transport="group" needs init_kv_transfer_group first')
         reqs, _ = self.requests.build(prompt, input_ids, messages, sampling_params,

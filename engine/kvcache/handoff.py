@@ -38,7 +38,6 @@ import torch
 from hotswap.engine.client.protocol import KV_TRANSPORTS
 from hotswap.engine.core.namespace import Namespace
 
-TRANSPORTS = KV_TRANSPORTS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SHM_PREFIX = "hotswap-kv-"
 
@@ -110,8 +109,8 @@ class KVHandoff:
             raise ValueError(f"kv_handoff: fields of the wrong type: {wrong}")
         if not ints(self.token_ids):
             raise ValueError("kv_handoff.token_ids must be a non-empty list of ints")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"kv_handoff.transport must be one of {TRANSPORTS}, got "
+        if self.transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_handoff.transport must be one of {KV_TRANSPORTS}, got "
                              f"{self.transport!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"kv_handoff.dtype must be one of {sorted(_DTYPES)}")
