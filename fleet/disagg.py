@@ -65,7 +65,7 @@ class PDRouter(Coordinator):
         # rows; and, apart (a row waits on its send), the sends of "group" handoffs
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd")
         self._senders = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-send")
-        self.stats = {"handoffs": 0, "refused": 0, "prefill_failures": 0,
+        self.stats = {"handoffs": 0, "prefill_failures": 0,
                       "decode_failures": 0, "local_prefills": 0}
 
     @classmethod
@@ -189,10 +189,10 @@ class PDRouter(Coordinator):
         options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                    "return_routed_experts": return_routed_experts}
         if stream:
-            return self._merged([self._pool.submit(self._stream_row, row, options)
+            return self._merged([self._pool.submit(self._row, row, options, True)
                                  for row in rows])
-        jobs = [self._pool.submit(self._serve_row, row, options) for row in rows]
-        outs = [out for job in jobs for out in job.result()]
+        jobs = [self._pool.submit(self._row, row, options, False) for row in rows]
+        outs = [out for job in jobs for out in _listed(job.result())]
         return outs[0] if single and len(outs) == 1 else outs
 
     async def async_generate(self, prompt: str | list[str] | None = None,
@@ -210,13 +210,6 @@ class PDRouter(Coordinator):
         del kwargs["self"]
         out = await asyncio.to_thread(lambda: self.generate(**kwargs))
         return _async_events(out) if stream else out
-
-    def _serve_row(self, row: Row, options: dict) -> list[dict]:
-        outs = self._row(row, options, stream=False)
-        return outs if isinstance(outs, list) else [outs]
-
-    def _stream_row(self, row: Row, options: dict) -> Iterator[dict]:
-        return self._row(row, options, stream=True)
 
     def _row(self, row: Row, options: dict, stream: bool) -> Any:
         """One prompt (and its n samples): prefill, hand off, decode; resubmitted when a
@@ -291,10 +284,6 @@ class PDRouter(Coordinator):
             if sending is not None:
                 sending.exception()  # a failed send shows as a refused handoff in `out`
         self.stats["handoffs"] += 1
-        if not stream:
-            for o in out if isinstance(out, list) else [out]:
-                self.stats["refused"] += not o["meta_info"].get("kv_handoff", {}).get(
-                    "accepted", True)
         return out
 
     def _held(self, decoder: Any, events: Iterator[dict], first: dict | None, head: Any
@@ -350,6 +339,10 @@ class PDRouter(Coordinator):
         return self.update_weights_from_serialized(
             [serialize_named_tensors(named_tensors)], load_format, flush_cache,
             weight_version=weight_version, pause_mode=pause_mode, commit=commit)
+
+
+def _listed(out: dict | list[dict]) -> list[dict]:
+    return out if isinstance(out, list) else [out]
 
 
 def _drop(first: dict | None, prefiller: Any) -> None:

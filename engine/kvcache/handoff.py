@@ -165,7 +165,7 @@ class Exported:
     page_size: int
     kv: torch.Tensor  # [2 * layers, tokens, kv_heads, head_dim], CPU
     routes: torch.Tensor | None  # [tokens, moe_layers, top_k] int16, CPU
-    export_s: float = 0.0
+    export_s: float  # reading them out, on the scheduler thread
 
     def handoff(self) -> KVHandoff:
         """The descriptor and its payload (checksummed here, off the scheduler thread)."""
@@ -303,9 +303,6 @@ class KVOutbox:
     def drop(self, handoff_id: str) -> bool:
         with self._lock:
             return self._items.pop(handoff_id, None) is not None
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 def handoff_tag(handoff_id: str) -> int:

@@ -305,9 +305,9 @@ class Scheduler(SchedulerControl, StepOutputs):
         start = time.perf_counter()
         pool = self.runner.kv_pool
         routes = pool.read_routes(slots) if pool.routes is not None else None
+        kv = pool.read_tokens(slots)
         req.kv_export = Exported(req.namespace, list(req.prompt_ids), self.config.page_size,
-                                 pool.read_tokens(slots), routes)
-        req.kv_export.export_s = time.perf_counter() - start
+                                 kv, routes, time.perf_counter() - start)
 
     def abort_running(self, message: str) -> None:
         for req in list(self.running):

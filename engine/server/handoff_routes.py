@@ -110,8 +110,7 @@ async def send_kv_handoff(state: State, body: SendHandoffRequest) -> Response:
 
 @handoff_control.post("/drop_kv_handoff")
 async def drop_kv_handoff(state: State, body: DropHandoffRequest) -> Response:
-    dropped = await asyncio.to_thread(state.engine.drop_kv_handoff, body.handoff_id)
-    return await blocking(lambda: {"success": dropped})
+    return await blocking(lambda: {"success": state.engine.drop_kv_handoff(body.handoff_id)})
 
 
 @handoff_control.post("/destroy_kv_transfer_group")
