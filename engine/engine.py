@@ -23,6 +23,7 @@ from hotswap.engine.client.protocol import (
     memory_tags,
     resolve_commit,
 )
+from hotswap.engine.client.request import DistributedUpdate, GenerateRequest
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.namespace import ServingVersion
 from hotswap.engine.core.request import Req
@@ -94,24 +95,10 @@ class Engine(PrefillDecodeRoles, EngineClient):
         self.weights.close()
         self.runner.shutdown()
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, *,
-                 messages: list[dict] | list[list[dict]] | None = None,
-                 return_logprob: bool = False,
-                 top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
-                 cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False,
-                 session_id: str | list[str] | None = None
-                 ) -> dict | list[dict] | Iterator[dict]:
-        """Outputs in the order given, samples of a prompt adjacent; a dict for one prompt, n=1.
-        session_id: an open session's (open_session); the turn's KV stays pinned after it."""
+    def _generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         self._check_role("generate", "prefill")
-        reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
-                                           return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream, return_routed_experts,
-                                           session_id)
-        return self._run(reqs, single, stream)
+        reqs, single = self.requests.build(request)
+        return self._run(reqs, single, request.stream)
 
     def _run(self, reqs: list[Req], single: bool, stream: bool
              ) -> dict | list[dict] | Iterator[dict]:
@@ -140,28 +127,16 @@ class Engine(PrefillDecodeRoles, EngineClient):
                 if not req.finished:
                     self.abort_request(req.rid)
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, *,
-                             messages: list[dict] | list[list[dict]] | None = None,
-                             return_logprob: bool = False, top_logprobs_num: int = 0,
-                             lora_name: str | list[str] | None = None,
-                             cache_salt: str | list[str] | None = None,
-                             rid: str | list[str] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False,
-                             session_id: str | list[str] | None = None
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
+    async def _async_generate(self, request: GenerateRequest
+                              ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_role("generate", "prefill")
-        reqs, single = self.requests.build(prompt, input_ids, messages, sampling_params,
-                                           return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream, return_routed_experts,
-                                           session_id)
+        reqs, single = self.requests.build(request)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[dict] = asyncio.Queue()
         for req in reqs:
             req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         self.scheduler.submit(reqs)
-        if stream:
+        if request.stream:
             return self._astream(reqs, events)
         finals = {}
         try:
@@ -324,36 +299,27 @@ class Engine(PrefillDecodeRoles, EngineClient):
         rank_offset + tp_rank (a WeightSender counts them into its world size)."""
         return self.config.tp_size
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]],
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True,
-                                        load_format: str | None = None, *,
-                                        weight_version: str | None = None,
-                                        pause_mode: str = "retract",
-                                        commit: bool | None = None,
-                                        lora_name: str | None = None,
-                                        staging: str | None = None) -> dict:
+    def _update_weights_from_distributed(self, update: DistributedUpdate) -> dict:
         """With lora_name: the names are that adapter's PEFT names and the broadcast replaces
         it (bumping its version); the base weights and their version are untouched, so the
         base update's arguments (weight_version, commit, flush_cache=False, staging) are
         refused. staging: where base weights land (docs/api.md#where-an-update-lands)."""
-        if lora_name is not None:
+        u = update
+        if u.lora_name is not None:
             try:
-                _check_adapter_update(weight_version, commit, flush_cache, staging)
+                _check_adapter_update(u.weight_version, u.commit, u.flush_cache, u.staging)
                 self._check_lora_supported()
             except ValueError:  # take part in the broadcast (if joined), so the sender finishes
                 with contextlib.suppress(ValueError):
-                    self.weights.discard(self.weights.group(group_name), names, dtypes, shapes,
-                                         load_format)
+                    self.weights.discard(self.weights.group(u.group_name), *u.tensors(),
+                                         u.load_format)
                 raise
             return self.loras.update_from_distributed(
-                lora_name, self.weights.group(group_name), names, dtypes, shapes, load_format,
-                pause_mode)
-        return self.weights.update_from_distributed(names, dtypes, shapes, group_name,
-                                                    weight_version, pause_mode, load_format,
-                                                    resolve_commit(commit, flush_cache),
-                                                    staging)
+                u.lora_name, self.weights.group(u.group_name), *u.tensors(), u.load_format,
+                u.pause_mode)
+        return self.weights.update_from_distributed(
+            *u.tensors(), u.group_name, u.weight_version, u.pause_mode, u.load_format,
+            resolve_commit(u.commit, u.flush_cache), u.staging)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
@@ -361,12 +327,9 @@ class Engine(PrefillDecodeRoles, EngineClient):
     # Two phases for coordinators of several engines (WeightSender, Router, RayFleet): a
     # prepare call receives and validates beside the serving weights; commit or abort follows.
 
-    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]],
-                                         group_name: str = "weight_update_group",
-                                         load_format: str | None = None) -> dict:
-        return self.weights.prepare_from_distributed(names, dtypes, shapes, group_name,
-                                                     load_format)
+    def _prepare_weights_from_distributed(self, update: DistributedUpdate) -> dict:
+        return self.weights.prepare_from_distributed(*update.tensors(), update.group_name,
+                                                     update.load_format)
 
     def prepare_weights_from_disk(self, model_path: str) -> dict:
         return self.weights.prepare_from_disk(model_path)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hotswap.engine.client.protocol import KV_TRANSPORTS, HandoffClient
+from hotswap.engine.client.request import GenerateRequest
 from hotswap.engine.core.request import FinishReason, Req, VersionSpan
 from hotswap.engine.kvcache.handoff import (
     HandoffRefused,
@@ -45,14 +46,7 @@ class PrefillDecodeRoles(HandoffClient):
         self._shm.cleanup()
         self.destroy_kv_transfer_group()
 
-    def prefill(self, prompt: str | list[str] | None = None,
-                sampling_params: dict | list[dict] | None = None,
-                input_ids: list[int] | list[list[int]] | None = None, *,
-                messages: list[dict] | list[list[dict]] | None = None,
-                return_logprob: bool = False, top_logprobs_num: int = 0,
-                lora_name: str | list[str] | None = None,
-                cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                return_routed_experts: bool = False, transport: str = "auto") -> dict:
+    def _prefill(self, request: GenerateRequest, transport: str) -> dict:
         """Compute one prompt's KV and sample its first token; the output (one sample, n=1)
         carries meta_info["kv_handoff"], the descriptor a decode engine's
         generate_from_handoff takes, and finish_reason {"type": "handoff"} unless the first
@@ -65,9 +59,7 @@ class PrefillDecodeRoles(HandoffClient):
             raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {transport!r}")
         if transport == "group" and self._kv_group is None:
             raise ValueError('transport="group" needs init_kv_transfer_group first')
-        reqs, _ = self.requests.build(prompt, input_ids, messages, sampling_params,
-                                      return_logprob, top_logprobs_num, lora_name, cache_salt,
-                                      rid, False, return_routed_experts)
+        reqs, _ = self.requests.build(request)
         if len(reqs) != 1:
             raise ValueError("prefill takes one prompt with n=1 (a decode engine samples the "
                              "others from the handed-off KV: generate_from_handoff)")
@@ -85,12 +77,8 @@ class PrefillDecodeRoles(HandoffClient):
             out["meta_info"]["kv_handoff"] = handoff.to_dict()
         return out
 
-    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
-                              return_logprob: bool = False, top_logprobs_num: int = 0,
-                              lora_name: str | None = None, cache_salt: str | None = None,
-                              rid: str | None = None, stream: bool = False,
-                              return_routed_experts: bool = False
-                              ) -> dict | list[dict] | Iterator[dict]:
+    def _generate_from_handoff(self, handoff: dict, request: GenerateRequest
+                               ) -> dict | list[dict] | Iterator[dict]:
         """Continue a prefill engine's output (`handoff`, what Engine.prefill returned) with
         the same arguments: sample 0 goes on from the prefill's first token, samples 1..n-1
         start from the prompt. The KV is used only if it was computed under the namespace this
@@ -99,9 +87,7 @@ class PrefillDecodeRoles(HandoffClient):
         the prefill output holds, is not sent again."""
         self._check_role("generate_from_handoff", "prefill")
         first, desc = _handoff_parts(handoff)
-        reqs, single = self.requests.build(None, desc.token_ids, None, sampling_params,
-                                           return_logprob, top_logprobs_num, lora_name,
-                                           cache_salt, rid, stream, return_routed_experts)
+        reqs, single = self.requests.build(request.replace(input_ids=desc.token_ids))
         try:
             _continue_from(reqs[0], first, self.model_config.vocab_size)
         except (KeyError, TypeError, ValueError) as exc:
@@ -110,7 +96,7 @@ class PrefillDecodeRoles(HandoffClient):
         for req in reqs:
             req.group_leader = None  # the first tokens do not come from one shared row here
         reqs[0].handoff = self._receive(desc)
-        return self._run(reqs, single, stream)
+        return self._run(reqs, single, request.stream)
 
     def _receive(self, desc: KVHandoff) -> Incoming:
         """The handoff's KV, or why there is none (the bytes did not arrive whole); read and

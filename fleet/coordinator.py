@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from hotswap.engine.client.protocol import EngineClient, check_pause_mode, resolve_commit
+from hotswap.engine.client.request import DistributedUpdate
 from hotswap.weight_sync.sender import agreed_version
 
 Member = tuple[str, Any]  # (label, an EngineClient)
@@ -201,36 +202,25 @@ class Coordinator(EngineClient):
         """The members that joined `group_name` (every member if none joined through here)."""
         return self._groups.get(group_name) or self.members()
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]],
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True,
-                                        load_format: str | None = None, *,
-                                        weight_version: str | None = None,
-                                        pause_mode: str = "retract",
-                                        commit: bool | None = None,
-                                        lora_name: str | None = None,
-                                        staging: str | None = None) -> dict:
+    def _update_weights_from_distributed(self, update: DistributedUpdate) -> dict:
         """Every member of the group receives the one broadcast at once. Several engines
         always stage (staging="none" could not be all-or-none)."""
-        if staging not in (None, "standby"):
-            raise ValueError(f"staging={staging!r}: several engines update all-or-none, so "
+        u = update
+        if u.staging not in (None, "standby"):
+            raise ValueError(f"staging={u.staging!r}: several engines update all-or-none, so "
                              "they receive into standby buffers; use staging='standby'")
-        members = self._group_members(group_name)
-        if lora_name is not None:
-            return self._combined(self.call_each(lambda e: e.update_weights_from_distributed(
-                names, dtypes, shapes, group_name, flush_cache, load_format,
-                pause_mode=pause_mode, lora_name=lora_name), members),
-                f"updated adapter {lora_name!r}")
-        commit = resolve_commit(commit, flush_cache)
+        members = self._group_members(u.group_name)
+        if u.lora_name is not None:
+            return self._combined(self.call_each(
+                lambda e: e.update_weights_from_distributed(**u.body()), members),
+                f"updated adapter {u.lora_name!r}")
+        commit = resolve_commit(u.commit, u.flush_cache)
         if not commit or self._pieces_open():
-            return self._staged(lambda e: e.update_weights_from_distributed(
-                names, dtypes, shapes, group_name, flush_cache, load_format,
-                weight_version=weight_version, pause_mode=pause_mode, commit=False,
-                staging=staging), commit, weight_version, members)
+            staged = u.replace(commit=False).body()
+            return self._staged(lambda e: e.update_weights_from_distributed(**staged), commit,
+                                u.weight_version, members)
         return self._two_phase(lambda e: e.prepare_weights_from_distributed(
-            names, dtypes, shapes, group_name, load_format), members, weight_version,
-            pause_mode)
+            **u.prepare_body()), members, u.weight_version, u.pause_mode)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         members = self._groups.pop(group_name, None) or self.members()
@@ -240,12 +230,9 @@ class Coordinator(EngineClient):
     # weights: two phases (prepare, then commit_weight_update), the coordinator itself a
     # participant of a larger one
 
-    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]],
-                                         group_name: str = "weight_update_group",
-                                         load_format: str | None = None) -> dict:
+    def _prepare_weights_from_distributed(self, update: DistributedUpdate) -> dict:
         return self._prepare(lambda e: e.prepare_weights_from_distributed(
-            names, dtypes, shapes, group_name, load_format), self._group_members(group_name))
+            **update.prepare_body()), self._group_members(update.group_name))
 
     def prepare_weights_from_disk(self, model_path: str) -> dict:
         return self._prepare(lambda e: e.prepare_weights_from_disk(model_path), self.members())

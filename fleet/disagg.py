@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hotswap.engine.client.protocol import KV_TRANSPORTS
+from hotswap.engine.client.request import GenerateRequest
 from hotswap.fleet.coordinator import Coordinator, Member
-from hotswap.fleet.dispatch import ReplicaGone, Row, split_rows
+from hotswap.fleet.dispatch import ReplicaGone
 from hotswap.fleet.replica import EngineReplica
 from hotswap.fleet.replica_client import ReplicaClient, ray_module
 from hotswap.weight_sync.serialize import serialize_named_tensors
@@ -171,47 +172,23 @@ class PDRouter(Coordinator):
 
     # generation
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, *,
-                 messages: list | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
-                 cache_salt: str | list[str | None] | None = None,
-                 rid: str | list[str | None] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False,
-                 session_id: str | list[str | None] | None = None
-                 ) -> dict | list[dict] | Iterator[dict]:
-        if session_id is not None:
+    def _generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
+        if request.session_id is not None:
             raise ValueError("session_id: sessions pin a conversation's KV on one engine; a "
                              "prefill/decode pair does not serve them")
-        rows, single = split_rows(prompt, input_ids, messages, sampling_params, lora_name,
-                                  cache_salt, rid)
-        options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                   "return_routed_experts": return_routed_experts}
-        if stream:
-            return self._merged([self._pool.submit(self._row, row, options, True)
-                                 for row in rows])
-        jobs = [self._pool.submit(self._row, row, options, False) for row in rows]
+        rows, single = request.split()
+        if request.stream:
+            return self._merged([self._pool.submit(self._row, row) for row in rows])
+        jobs = [self._pool.submit(self._row, row) for row in rows]
         outs = [out for job in jobs for out in _listed(job.result())]
         return outs[0] if single and len(outs) == 1 else outs
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, *,
-                             messages: list | None = None, return_logprob: bool = False,
-                             top_logprobs_num: int = 0,
-                             lora_name: str | list[str | None] | None = None,
-                             cache_salt: str | list[str | None] | None = None,
-                             rid: str | list[str | None] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False,
-                             session_id: str | list[str | None] | None = None
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
-        kwargs = dict(locals())
-        del kwargs["self"]
-        out = await asyncio.to_thread(lambda: self.generate(**kwargs))
-        return _async_events(out) if stream else out
+    async def _async_generate(self, request: GenerateRequest
+                              ) -> dict | list[dict] | AsyncIterator[dict]:
+        out = await asyncio.to_thread(lambda: self._generate(request))
+        return _async_events(out) if request.stream else out
 
-    def _row(self, row: Row, options: dict, stream: bool) -> Any:
+    def _row(self, row: GenerateRequest) -> Any:
         """One prompt (and its n samples): prefill, hand off, decode; resubmitted when a
         decode engine fails before anything reached the caller."""
         failed_decoders: set[int] = set()
@@ -221,9 +198,9 @@ class PDRouter(Coordinator):
                 raise ReplicaGone("no decode engine is serving")
             first, prefiller = None, None
             try:
-                first, prefiller = self._prefill(row, options)
-                out = self._decode(decoder, first, prefiller, row, options, stream)
-                if stream:  # its first event here: a failure before it is resubmitted
+                first, prefiller = self._prefill(row)
+                out = self._decode(decoder, first, prefiller, row)
+                if row.stream:  # its first event here: a failure before it is resubmitted
                     return self._held(decoder, out, first, next(out, _END))
             except (ValueError, PermissionError):
                 self._release(decoder)
@@ -238,21 +215,19 @@ class PDRouter(Coordinator):
             return out
         raise ReplicaGone(f"request {row.rid}: every decode engine tried failed")
 
-    def _prefill(self, row: Row, options: dict) -> tuple[dict | None, Any]:
+    def _prefill(self, row: GenerateRequest) -> tuple[dict | None, Any]:
         """The prefill output to hand off and the engine that made it, or (None, None): the
         decode engine computes the prompt (no prefill engine could)."""
         failed: set[int] = set()
-        rid = row.rid if row.samples == 1 else f"{row.rid}-0"
+        first_sample = row.replace(rid=row.sample_ids()[0], stream=False,
+                                   sampling_params={**(row.sampling_params or {}), "n": 1})
         while True:
             engine = self._pick(self.prefill_engines, failed)
             if engine is None:
                 self.stats["local_prefills"] += 1
                 return None, None
             try:
-                first = engine.prefill(
-                    **{row.kind: row.value}, sampling_params={**row.params, "n": 1},
-                    lora_name=row.lora, cache_salt=row.salt, rid=rid, transport=self.transport,
-                    **options)
+                first = engine.prefill(**first_sample.body(), transport=self.transport)
             except (ValueError, PermissionError):
                 self._release(engine)
                 raise
@@ -267,19 +242,18 @@ class PDRouter(Coordinator):
                 return None, None
             return first, engine
 
-    def _decode(self, decoder: Any, first: dict | None, prefiller: Any, row: Row,
-                options: dict, stream: bool) -> Any:
-        call = {"sampling_params": row.params, "lora_name": row.lora, "cache_salt": row.salt,
-                "rid": row.rid, "stream": stream, **options}
+    def _decode(self, decoder: Any, first: dict | None, prefiller: Any,
+                row: GenerateRequest) -> Any:
         if first is None:
-            return decoder.generate(**{row.kind: row.value}, **call)
+            return decoder.generate(**row.body())
         sending = None
         if self.transport == "group":  # the decode engine receives while the prefill sends
             sending = self._senders.submit(prefiller.send_kv_handoff,
                                         first["meta_info"]["kv_handoff"]["id"],
                                         self._ranks[id(decoder)])
         try:
-            out = decoder.generate_from_handoff(first, **call)
+            out = decoder.generate_from_handoff(
+                first, **row.replace(prompt=None, input_ids=None, messages=None).body())
         finally:
             if sending is not None:
                 sending.exception()  # a failed send shows as a refused handoff in `out`

@@ -13,82 +13,22 @@ import asyncio
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from hotswap.engine.client.protocol import per_prompt
+from hotswap.engine.client.request import GenerateRequest
 from hotswap.fleet.affinity import PrefixAffinity, affinity_key
 from hotswap.fleet.placement import Placement, Replica
 from hotswap.fleet.replica_client import ReplicaClient, died, ray_module
 
 RESUBMITS = 3  # a request is sampled again at most this many times
+# One prompt of a call and its samples: a GenerateRequest of that prompt alone (its split()).
+Row = GenerateRequest
 
 
 class ReplicaGone(RuntimeError):
     """No live replica could take a request (every one died, or the fleet shut down)."""
-
-
-@dataclass
-class Row:
-    kind: str  # "prompt" | "input_ids" | "messages"
-    value: Any
-    params: dict
-    lora: str | None
-    salt: str | None
-    rid: str
-    session: str | None = None  # pinned to the replica holding the session while it serves
-
-    @property
-    def samples(self) -> int:
-        n = self.params.get("n", 1)
-        return n if isinstance(n, int) and n > 0 else 1
-
-    def sample_ids(self) -> list[str]:
-        return [self.rid] if self.samples == 1 else [f"{self.rid}-{k}" for k in
-                                                     range(self.samples)]
-
-
-def split_rows(prompt: Any, input_ids: Any, messages: Any, sampling_params: Any,
-               lora_name: Any, cache_salt: Any, rid: Any, session_id: Any = None
-               ) -> tuple[list[Row], bool]:
-    """The batch as rows, split as the Engine splits it (the replica validates the rest), and
-    whether it was a single prompt."""
-    given = [(k, v) for k, v in (("prompt", prompt), ("input_ids", input_ids),
-                                 ("messages", messages)) if v is not None]
-    if len(given) != 1:
-        raise ValueError("give exactly one of prompt, input_ids, messages")
-    kind, value = given[0]
-    single = (isinstance(value, str) or (kind == "input_ids" and bool(value) and all(
-        isinstance(t, int) for t in value)) or (kind == "messages" and bool(value) and all(
-            isinstance(m, dict) for m in value)))
-    values = [value] if single else value
-    if not isinstance(values, list) or not values:
-        raise ValueError(f"{kind} must be non-empty")
-    count = len(values)
-    params = per_prompt(sampling_params, count, "sampling_params", dict)
-    loras = per_prompt(lora_name, count, "lora_name", str)
-    salts = per_prompt(cache_salt, count, "cache_salt", str)
-    rids = per_prompt(rid, count, "rid", str)
-    sessions = per_prompt(session_id, count, "session_id", str)
-    if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
-        raise ValueError("rid values must be unique")
-    rows = [Row(kind, v, p or {}, lo, s, r or uuid.uuid4().hex, se)
-            for v, p, lo, s, r, se in zip(values, params, loras, salts, rids, sessions,
-                                          strict=True)]
-    return rows, single
-
-
-def _call_kwargs(rows: list[Row], options: dict[str, Any]) -> dict:
-    """A replica's generate arguments for `rows`; `options` are the call's per-call flags."""
-    kwargs = {rows[0].kind: [r.value for r in rows], "sampling_params": [r.params for r in rows],
-              "lora_name": [r.lora for r in rows], "cache_salt": [r.salt for r in rows],
-              "rid": [r.rid for r in rows], **options}
-    if any(r.session is not None for r in rows):
-        kwargs["session_id"] = [r.session for r in rows]
-    return kwargs
 
 
 class Dispatcher:
@@ -106,16 +46,23 @@ class Dispatcher:
 
     def session_replica(self, row: Row, serving: list[Replica]) -> Replica | None:
         """The replica holding the row's session. A session whose replica is gone is
-        forgotten, and its row runs wherever it fits, without the pin."""
-        if row.session is None:
+        forgotten, and its row runs wherever it fits, without the pin (_body)."""
+        session = row.session_id
+        if session is None:
             return None
-        if row.session not in self.sessions:
-            raise ValueError(f"session_id {row.session!r}: no such session is open")
-        held = [r for r in serving if r.index == self.sessions[row.session]]
+        if session not in self.sessions:
+            raise ValueError(f"session_id {session!r}: no such session is open")
+        held = [r for r in serving if r.index == self.sessions[session]]
         if not held:
-            del self.sessions[row.session]
-            row.session = None
+            del self.sessions[session]
         return held[0] if held else None
+
+    def _body(self, rows: list[Row]) -> dict[str, Any]:
+        """A replica's generate arguments for `rows` (one call's); the replica streams or not
+        as it is asked."""
+        rows = [r if r.session_id in self.sessions else r.replace(session_id=None)
+                for r in rows]
+        return GenerateRequest.join(rows).replace(stream=False).body()
 
     def _choose(self, row: Row, exclude: set[int]) -> Replica:
         """The session's replica; else prefix affinity if a replica holds most of the prompt
@@ -157,7 +104,7 @@ class Dispatcher:
         by_prompt: dict[tuple, Replica] = {}
         plan: dict[int, tuple[Replica, list[int]]] = {}
         for i, row in enumerate(rows):
-            same = (row.kind, repr(row.value), row.lora, row.salt, row.session)
+            same = (row.kind, repr(row.value), row.lora_name, row.cache_salt, row.session_id)
             replica = by_prompt.get(same)
             if replica is None:
                 replica = by_prompt[same] = self._choose(row, set(exclude))
@@ -179,7 +126,7 @@ class Dispatcher:
 
     # running
 
-    def run(self, rows: list[Row], options: dict[str, Any]) -> list[dict]:
+    def run(self, rows: list[Row]) -> list[dict]:
         """Every row's outputs, in order; rows of a replica that died run again elsewhere
         (meta_info "resubmitted"). The first other failure aborts the rest and is raised."""
         ray = ray_module()
@@ -190,8 +137,7 @@ class Dispatcher:
         def submit(positions: list[int], tries: int, exclude: set[int]) -> None:
             for replica, part in self._assign([rows[i] for i in positions], exclude).values():
                 chosen = [positions[j] for j in part]
-                ref = replica.actor.generate.remote(_call_kwargs([rows[i] for i in chosen],
-                                                                 options))
+                ref = replica.actor.generate.remote(self._body([rows[i] for i in chosen]))
                 pending[ref] = (replica, chosen, tries)
 
         submit(list(range(len(rows))), 0, set())
@@ -225,7 +171,7 @@ class Dispatcher:
             for sample in row.sample_ids():
                 self._abort(sample)
 
-    def stream(self, rows: list[Row], options: dict[str, Any]) -> Iterator[dict]:
+    def stream(self, rows: list[Row]) -> Iterator[dict]:
         """Every replica's events, merged as they come. A sample whose replica died starts
         again from its prompt; its next event carries meta_info "restarted": True (drop what
         it had streamed)."""
@@ -238,7 +184,7 @@ class Dispatcher:
             restarted = {s for r in part for s in r.sample_ids()} if tries else set()
             try:
                 gen = replica.actor.generate_stream.options(num_returns="streaming").remote(
-                    _call_kwargs(part, options))
+                    self._body(part))
                 for ref in gen:
                     event = ReplicaClient.get(ref)
                     sample = event["meta_info"]["id"]

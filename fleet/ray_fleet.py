@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hotswap.engine.client.protocol import resolve_commit
+from hotswap.engine.client.request import GenerateRequest
 from hotswap.fleet.affinity import PrefixAffinity
 from hotswap.fleet.coordinator import Coordinator, Member
-from hotswap.fleet.dispatch import Dispatcher, ReplicaGone, async_events, split_rows
+from hotswap.fleet.dispatch import Dispatcher, ReplicaGone, async_events
 from hotswap.fleet.fleet_weights import FleetWeights
 from hotswap.fleet.health import Health
 from hotswap.fleet.placement import Placement, Replica, ReplicaSpec
@@ -189,46 +190,22 @@ class RayFleet(Coordinator):
 
     # generation
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, *,
-                 messages: list | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
-                 cache_salt: str | list[str | None] | None = None,
-                 rid: str | list[str | None] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False,
-                 session_id: str | list[str | None] | None = None
-                 ) -> dict | list[dict] | Iterator[dict]:
+    def _generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         """Rows with the same prompt (and all samples of a row) go to one replica; outputs
         come back in the order given. A replica that dies takes no request with it: its rows
         are sampled again from the prompt on a live replica (meta_info "resubmitted")."""
-        rows, single = split_rows(prompt, input_ids, messages, sampling_params, lora_name,
-                                  cache_salt, rid, session_id)
-        options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                   "return_routed_experts": return_routed_experts}
-        if stream:
-            return self._dispatch.stream(rows, options)
-        outs = self._dispatch.run(rows, options)
+        rows, single = request.split()
+        if request.stream:
+            return self._dispatch.stream(rows)
+        outs = self._dispatch.run(rows)
         return outs[0] if single and len(outs) == 1 else outs
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, *,
-                             messages: list | None = None, return_logprob: bool = False,
-                             top_logprobs_num: int = 0,
-                             lora_name: str | list[str | None] | None = None,
-                             cache_salt: str | list[str | None] | None = None,
-                             rid: str | list[str | None] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False,
-                             session_id: str | list[str | None] | None = None
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
-        kwargs = dict(locals())
-        del kwargs["self"]
+    async def _async_generate(self, request: GenerateRequest
+                              ) -> dict | list[dict] | AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
-        if not stream:
-            return await loop.run_in_executor(self._pool, lambda: self.generate(**kwargs))
-        events = self.generate(**kwargs)
-        return async_events(events, loop, self._pool)
+        if not request.stream:
+            return await loop.run_in_executor(self._pool, lambda: self._generate(request))
+        return async_events(self._generate(request), loop, self._pool)
 
     # sessions: each stays on the replica that opened it (a row of a session whose replica
     # died runs elsewhere, without the pin)

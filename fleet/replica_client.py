@@ -1,7 +1,7 @@
 """ReplicaClient: an EngineReplica actor called like an Engine (docs/fleet.md#the-replica-actor).
 
-One method per call the replica forwards (`FORWARDED`), with EngineClient's signature, so a
-call on a replica can be found and type-checked; tests/fleet/test_ray_fleet.py checks that the
+One method per call the replica forwards (`FORWARDED`), made from EngineClient's (or
+HandoffClient's) method so it has its signature; tests/fleet/test_ray_fleet.py checks that the
 methods are exactly the forwarded set. Also the Ray helpers the fleet's modules share.
 """
 
@@ -10,6 +10,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from hotswap.engine import Engine
+from hotswap.engine.client.protocol import EngineClient, HandoffClient
+from hotswap.engine.client.request import GenerateRequest
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,7 +56,7 @@ def _forwarded(method: F) -> F:
 
 class ReplicaClient:
     """Blocking calls on one replica actor that raise the engine's errors. Each `_forwarded`
-    method is one engine call the actor forwards, declared with EngineClient's signature."""
+    method is one engine call the actor forwards, with the interface's signature."""
 
     def __init__(self, actor: Any, ranks: int, label: str):
         self.actor, self.weight_sync_ranks, self.label = actor, ranks, label
@@ -81,159 +85,60 @@ class ReplicaClient:
 
     # serving state
 
-    @_forwarded
-    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None: ...
-
-    @_forwarded
-    def pause_generation(self, mode: str = "retract") -> dict: ...
-
-    @_forwarded
-    def continue_generation(self) -> dict: ...
-
-    @_forwarded
-    def flush_cache(self, timeout_s: float | None = None) -> dict: ...
-
-    @_forwarded
-    def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str: ...
-
-    @_forwarded
-    def close_session(self, session_id: str) -> bool: ...
-
-    @_forwarded
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict: ...
-
-    @_forwarded
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict: ...
-
-    @_forwarded
-    def check_integrity(self) -> None: ...
-
-    @_forwarded
-    def get_load(self) -> dict[str, Any]: ...
+    abort_request = _forwarded(EngineClient.abort_request)
+    pause_generation = _forwarded(EngineClient.pause_generation)
+    continue_generation = _forwarded(EngineClient.continue_generation)
+    flush_cache = _forwarded(EngineClient.flush_cache)
+    open_session = _forwarded(EngineClient.open_session)
+    close_session = _forwarded(EngineClient.close_session)
+    release_memory_occupation = _forwarded(EngineClient.release_memory_occupation)
+    resume_memory_occupation = _forwarded(EngineClient.resume_memory_occupation)
+    check_integrity = _forwarded(EngineClient.check_integrity)
+    get_load = _forwarded(Engine.get_load)
 
     # weights: versions and one-call updates
 
-    @_forwarded
-    def get_weight_version(self) -> str: ...
-
-    @_forwarded
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict: ...
-
-    @_forwarded
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list: ...
-
-    @_forwarded
-    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
-                                   flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict: ...
-
-    @_forwarded
-    def update_weights_from_serialized(self, serialized_named_tensors: list[str],
-                                       load_format: str | None = None, flush_cache: bool = True,
-                                       *, weight_version: str | None = None,
-                                       pause_mode: str = "retract",
-                                       commit: bool | None = None) -> dict: ...
-
-    @_forwarded
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
-                                 weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract",
-                                 commit: bool | None = None) -> dict: ...
+    get_weight_version = _forwarded(EngineClient.get_weight_version)
+    update_weight_version = _forwarded(EngineClient.update_weight_version)
+    get_weights_by_name = _forwarded(EngineClient.get_weights_by_name)
+    update_weights_from_tensor = _forwarded(EngineClient.update_weights_from_tensor)
+    update_weights_from_serialized = _forwarded(EngineClient.update_weights_from_serialized)
+    update_weights_from_disk = _forwarded(EngineClient.update_weights_from_disk)
 
     # weights: the open update transaction (staged, or prepared in two phases)
 
-    @_forwarded
-    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]],
-                                         group_name: str = "weight_update_group",
-                                         load_format: str | None = None) -> dict: ...
-
-    @_forwarded
-    def prepare_weights_from_disk(self, model_path: str) -> dict: ...
-
-    @_forwarded
-    def commit_weight_update(self, weight_version: str | None = None,
-                             pause_mode: str | None = None) -> dict: ...
-
-    @_forwarded
-    def abort_weight_update(self) -> dict: ...
+    prepare_weights_from_distributed = _forwarded(EngineClient.prepare_weights_from_distributed)
+    prepare_weights_from_disk = _forwarded(EngineClient.prepare_weights_from_disk)
+    commit_weight_update = _forwarded(EngineClient.commit_weight_update)
+    abort_weight_update = _forwarded(EngineClient.abort_weight_update)
 
     # weights: a trainer's process group
 
-    @_forwarded
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "auto") -> dict: ...
-
-    @_forwarded
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]],
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True,
-                                        load_format: str | None = None, *,
-                                        weight_version: str | None = None,
-                                        pause_mode: str = "retract",
-                                        commit: bool | None = None,
-                                        lora_name: str | None = None,
-                                        staging: str | None = None) -> dict: ...
-
-    @_forwarded
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict: ...
+    init_weights_update_group = _forwarded(EngineClient.init_weights_update_group)
+    update_weights_from_distributed = _forwarded(EngineClient.update_weights_from_distributed)
+    destroy_weights_update_group = _forwarded(EngineClient.destroy_weights_update_group)
 
     # LoRA adapters
 
-    @_forwarded
-    def load_lora_adapter(self, lora_name: str, lora_path: str, *,
-                          pause_mode: str = "retract") -> dict: ...
-
-    @_forwarded
-    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
-                                       *, pause_mode: str = "retract") -> dict: ...
-
-    @_forwarded
-    def unload_lora_adapter(self, lora_name: str) -> dict: ...
-
-    @_forwarded
-    def list_lora_adapters(self) -> dict[str, int]: ...
+    load_lora_adapter = _forwarded(EngineClient.load_lora_adapter)
+    load_lora_adapter_from_tensors = _forwarded(EngineClient.load_lora_adapter_from_tensors)
+    unload_lora_adapter = _forwarded(EngineClient.unload_lora_adapter)
+    list_lora_adapters = _forwarded(EngineClient.list_lora_adapters)
 
     # the prefill/decode handoff (fleet/disagg.py)
 
-    @_forwarded
-    def prefill(self, prompt: str | list[str] | None = None,
-                sampling_params: dict | list[dict] | None = None,
-                input_ids: list[int] | list[list[int]] | None = None, *,
-                messages: list[dict] | list[list[dict]] | None = None,
-                return_logprob: bool = False, top_logprobs_num: int = 0,
-                lora_name: str | list[str] | None = None,
-                cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                return_routed_experts: bool = False, transport: str = "auto") -> dict: ...
+    prefill = _forwarded(HandoffClient.prefill)
+    generate_from_handoff = HandoffClient.generate_from_handoff
 
-    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
-                              return_logprob: bool = False, top_logprobs_num: int = 0,
-                              lora_name: str | None = None, cache_salt: str | None = None,
-                              rid: str | None = None, stream: bool = False,
-                              return_routed_experts: bool = False) -> Any:
-        kwargs = {"sampling_params": sampling_params, "return_logprob": return_logprob,
-                  "top_logprobs_num": top_logprobs_num, "lora_name": lora_name,
-                  "cache_salt": cache_salt, "rid": rid,
-                  "return_routed_experts": return_routed_experts}
-        if not stream:
-            return self.get(self.actor.call.remote("generate_from_handoff", handoff, **kwargs))
+    def _generate_from_handoff(self, handoff: dict, request: GenerateRequest) -> Any:
+        if not request.stream:
+            return self.get(self.actor.call.remote("generate_from_handoff", handoff,
+                                                   **request.body()))
         refs = self.actor.generate_from_handoff_stream.options(
-            num_returns="streaming").remote(handoff, kwargs)
+            num_returns="streaming").remote(handoff, request.replace(stream=False).body())
         return (self.get(ref) for ref in refs)
 
-    @_forwarded
-    def init_kv_transfer_group(self, master_address: str, master_port: int, rank: int,
-                               world_size: int, group_name: str = "kv_transfer",
-                               backend: str = "auto") -> dict: ...
-
-    @_forwarded
-    def send_kv_handoff(self, handoff_id: str, dst_rank: int) -> dict: ...
-
-    @_forwarded
-    def drop_kv_handoff(self, handoff_id: str) -> bool: ...
-
-    @_forwarded
-    def destroy_kv_transfer_group(self) -> dict: ...
+    init_kv_transfer_group = _forwarded(HandoffClient.init_kv_transfer_group)
+    send_kv_handoff = _forwarded(HandoffClient.send_kv_handoff)
+    drop_kv_handoff = _forwarded(HandoffClient.drop_kv_handoff)
+    destroy_kv_transfer_group = _forwarded(HandoffClient.destroy_kv_transfer_group)

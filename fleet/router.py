@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from hotswap.engine.client.remote import RemoteEngine
+from hotswap.engine.client.request import GenerateRequest
 from hotswap.fleet.affinity import Key, PrefixAffinity, affinity_key
 from hotswap.fleet.coordinator import Coordinator, Member, ServersDisagree
 from hotswap.weight_sync.serialize import serialize_named_tensors
@@ -136,31 +137,26 @@ class Router(Coordinator):
             raise ValueError(f"session_id {next(iter(ids))!r}: no such session is open")
         return server
 
-    # generation: a call's prompts go to one server, chosen by the first prompt
+    # generation
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, *,
-                 messages: list | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, lora_name: str | list[str | None] | None = None,
-                 cache_salt: str | list[str | None] | None = None,
-                 rid: str | list[str | None] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False,
-                 session_id: str | list[str | None] | None = None
-                 ) -> dict | list[dict] | Iterator[dict]:
-        kwargs = dict(locals())
-        del kwargs["self"]
-        server = self.session_server(session_id) if session_id is not None else None
-        server = self.choose(affinity_key("/generate", kwargs), server)
+    def _generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
+        server = self._server_for(request)
         try:
-            out = self.engines[server].generate(**kwargs)
+            out = self.engines[server].generate(**request.body())
         except BaseException:
             self.done(server)
             raise
-        if stream:
+        if request.stream:
             return self._counted(out, server)
         self.done(server)
         return out
+
+    def _server_for(self, request: GenerateRequest) -> int:
+        """A call's prompts go to one server: the session's, or the one chosen by the first
+        prompt."""
+        session = request.session_id
+        server = self.session_server(session) if session is not None else None
+        return self.choose(affinity_key("/generate", request.body()), server)
 
     def _counted(self, events: Iterator[dict], server: int) -> Iterator[dict]:
         try:
@@ -168,27 +164,15 @@ class Router(Coordinator):
         finally:
             self.done(server)
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, *,
-                             messages: list | None = None, return_logprob: bool = False,
-                             top_logprobs_num: int = 0,
-                             lora_name: str | list[str | None] | None = None,
-                             cache_salt: str | list[str | None] | None = None,
-                             rid: str | list[str | None] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False,
-                             session_id: str | list[str | None] | None = None
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
-        kwargs = dict(locals())
-        del kwargs["self"]
-        server = self.session_server(session_id) if session_id is not None else None
-        server = self.choose(affinity_key("/generate", kwargs), server)
+    async def _async_generate(self, request: GenerateRequest
+                              ) -> dict | list[dict] | AsyncIterator[dict]:
+        server = self._server_for(request)
         try:
-            out = await self.engines[server].async_generate(**kwargs)
+            out = await self.engines[server].async_generate(**request.body())
         except BaseException:
             self.done(server)
             raise
-        if stream:
+        if request.stream:
             return self._acounted(out, server)
         self.done(server)
         return out

@@ -32,6 +32,7 @@ from hotswap.engine.server.protocol import (
     GroupRequest,
     InitGroupRequest,
     OpenSessionRequest,
+    PrepareFromDistributedRequest,
     UpdateFromDiskRequest,
     UpdateFromDistributedRequest,
     WeightsByNameRequest,
@@ -41,7 +42,6 @@ from hotswap.engine.server.sglang_compat import UpdateFromTensorRequest
 from hotswap.engine.server.update_routes import (
     CommitRequest,
     PrepareFromDiskRequest,
-    PrepareFromDistributedRequest,
 )
 from hotswap.fleet.affinity import affinity_key
 from hotswap.fleet.coordinator import ServersDisagree, failures

@@ -18,12 +18,14 @@ PACKAGES = {"engine": "hotswap.engine", "weight_sync": "hotswap.weight_sync",
 E = "hotswap.engine"
 _EXECUTOR_SIDE = (f"{E}.executor", f"{E}.attention", f"{E}.layers", f"{E}.models", f"{E}.lora",
                   f"{E}.grammar", f"{E}.distributed", f"{E}.speculative")
-# The interface's rules (pause modes, MAX_N) sit in client.protocol, which imports nothing.
-_BASE = (f"{E}.config", f"{E}.errors", f"{E}.core", f"{E}.client.protocol")
+# The interface's rules (pause modes, MAX_N) sit in client.protocol and its requests in
+# client.request, which import nothing else.
+_BASE = (f"{E}.config", f"{E}.errors", f"{E}.core", f"{E}.client.protocol",
+         f"{E}.client.request")
 # Area (longest matching prefix wins) -> the hotswap modules it may import (prefixes).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "hotswap.weight_sync": ("hotswap.weight_sync",),
-    f"{E}.core": (f"{E}.core", f"{E}.client.protocol"),
+    f"{E}.core": (f"{E}.core", f"{E}.client.protocol", f"{E}.client.request"),
     f"{E}.kvcache": (*_BASE, f"{E}.kvcache"),
     **{area: (*_BASE, f"{E}.kvcache", *_EXECUTOR_SIDE, "hotswap.weight_sync")
        for area in _EXECUTOR_SIDE},
@@ -36,7 +38,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                     "hotswap.weight_sync.serialize"),
     f"{E}.parsers": (f"{E}.parsers",),
     f"{E}.client": (f"{E}.client", f"{E}.errors", "hotswap.weight_sync"),
-    f"{E}.client.protocol": (),
+    f"{E}.client.protocol": (f"{E}.client.request",),
+    f"{E}.client.request": (),
     f"{E}.config": (f"{E}.config", f"{E}.errors"),
     f"{E}.errors": ("hotswap.weight_sync",),
     E: (E, "hotswap.weight_sync"),  # engine.py and the package root: anything in the engine

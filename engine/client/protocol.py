@@ -1,8 +1,10 @@
 """The engine interface, declared once (docs/api.md#one-interface).
 
-`Engine` (in-process), `RemoteEngine` (one server over HTTP) and `hotswap.fleet.Router`
-(several servers) implement `EngineClient` with these exact signatures; a conformance test runs
-the same calls against each. Code that takes an engine (TokenClient, the rollout loops, the
+`Engine` (in-process), `RemoteEngine` (one server over HTTP), `hotswap.fleet.Router` (several
+servers) and `hotswap.fleet.RayFleet` implement `EngineClient` with these exact signatures; a
+conformance test runs the same calls against each. The methods that take a request
+(generate, the distributed update) are made from its definition in request.py; an
+implementation writes their `_name(request)` counterpart. Code that takes an engine (TokenClient, the rollout loops, the
 adapters, WeightSender targets) takes any of them.
 
 The rules every implementation shares live here too, each once: the pause modes, the staging
@@ -15,9 +17,12 @@ from __future__ import annotations
 import base64
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
+from inspect import Parameter
 from typing import Any
 
 import numpy as np
+
+from hotswap.engine.client.request import DistributedUpdate, GenerateRequest, request_method
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Where a distributed update lands: "standby" beside the live weights (refused before any write),
@@ -27,11 +32,6 @@ MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
 MEMORY_TAGS = ("weights", "kv_cache")
 # How a prefill engine's KV reaches a decode engine (docs/fleet.md#prefill-and-decode).
 KV_TRANSPORTS = ("inline", "shm", "group")
-
-Prompt = str | list[str] | None
-SamplingArg = dict | list[dict] | None
-TokenIds = list[int] | list[list[int]] | None
-PerPrompt = str | list[str | None] | None
 
 
 def check_pause_mode(mode: Any, what: str = "pause_mode") -> str:
@@ -50,16 +50,6 @@ def resolve_commit(commit: bool | None, flush_cache: bool) -> bool:
     """commit=None commits when flush_cache is true: SGLang's trainers send flush_cache=False on
     every bucket of an update but the last, so the buckets stage and the last one commits."""
     return bool(flush_cache) if commit is None else bool(commit)
-
-
-def per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
-    """A per-prompt argument of generate as a list of `count`: one value for all, or a list."""
-    if value is None or isinstance(value, kind):
-        return [value] * count
-    if isinstance(value, list) and len(value) == count and all(
-            v is None or isinstance(v, kind) for v in value):
-        return list(value)
-    raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")
 
 
 def memory_tags(tags: list[str] | None) -> list[str]:
@@ -89,28 +79,22 @@ class EngineClient(ABC):
 
     # generation
 
-    @abstractmethod
-    def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
-                 input_ids: TokenIds = None, *, messages: list | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0,
-                 lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
-                 rid: PerPrompt = None, stream: bool = False,
-                 return_routed_experts: bool = False, session_id: PerPrompt = None
-                 ) -> dict | list[dict] | Iterator[dict]:
-        """One output per (prompt, sample), in the order given; a dict for one prompt with n=1.
-        The first three are positional in SGLang's order, the rest keyword-only.
-        return_routed_experts (MoE models): meta_info["routed_experts"], see docs/moe.md.
-        session_id: an open session's (open_session): the turn's KV stays pinned after it."""
+    generate = request_method("generate", doc="""
+        One output per (prompt, sample), in the order given; a dict for one prompt with n=1;
+        with stream=True an iterator of incremental outputs. The arguments are GenerateRequest's
+        fields (engine/client/request.py): the first three positional in SGLang's order, the
+        rest keyword-only.""")
+    async_generate = request_method("async_generate", asynchronous=True, doc="""
+        As generate; with stream=True an async iterator of incremental outputs.""")
 
     @abstractmethod
-    async def async_generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
-                             input_ids: TokenIds = None, *, messages: list | None = None,
-                             return_logprob: bool = False, top_logprobs_num: int = 0,
-                             lora_name: PerPrompt = None, cache_salt: PerPrompt = None,
-                             rid: PerPrompt = None, stream: bool = False,
-                             return_routed_experts: bool = False, session_id: PerPrompt = None
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
-        """As generate; with stream=True an async iterator of incremental outputs."""
+    def _generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
+        """generate's work, given the request it was called with."""
+
+    @abstractmethod
+    async def _async_generate(self, request: GenerateRequest
+                              ) -> dict | list[dict] | AsyncIterator[dict]:
+        """async_generate's work, given the request it was called with."""
 
     @abstractmethod
     def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
@@ -205,21 +189,17 @@ class EngineClient(ABC):
                                   backend: str = "auto") -> dict:
         """Joins the trainer's group at rank_offset (a TP engine at rank_offset + tp_rank)."""
 
-    @abstractmethod
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]],
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True,
-                                        load_format: str | None = None, *,
-                                        weight_version: str | None = None,
-                                        pause_mode: str = "retract",
-                                        commit: bool | None = None,
-                                        lora_name: str | None = None,
-                                        staging: str | None = None) -> dict:
-        """Receives a broadcast of these tensors (load_format "flattened_bucket": one buffer
-        per dtype); with lora_name they are that adapter's PEFT tensors. staging (STAGING_MODES;
+    update_weights_from_distributed = request_method(
+        "update_weights_from_distributed", DistributedUpdate, doc="""
+        Receives a broadcast of these tensors (load_format "flattened_bucket": one buffer per
+        dtype); with lora_name they are that adapter's PEFT tensors. staging (STAGING_MODES;
         None: the engine's weight_staging) says where base weights land; "none" is refused
-        where it cannot keep all-or-none (tensor parallelism, several servers)."""
+        where it cannot keep all-or-none (tensor parallelism, several servers). The arguments
+        are DistributedUpdate's fields (engine/client/request.py).""")
+
+    @abstractmethod
+    def _update_weights_from_distributed(self, update: DistributedUpdate) -> dict:
+        """update_weights_from_distributed's work."""
 
     @abstractmethod
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
@@ -227,13 +207,15 @@ class EngineClient(ABC):
 
     # weights: the open update transaction (docs/api.md#the-weight-update-transaction)
 
+    prepare_weights_from_distributed = request_method(
+        "prepare_weights_from_distributed", DistributedUpdate,
+        drop=DistributedUpdate.COMMIT_FIELDS, doc="""
+        Opens an update received and validated beside the serving weights (serving goes
+        on) and proposes a version; commit_weight_update installs it.""")
+
     @abstractmethod
-    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]],
-                                         group_name: str = "weight_update_group",
-                                         load_format: str | None = None) -> dict:
-        """Opens an update received and validated beside the serving weights (serving goes
-        on) and proposes a version; commit_weight_update installs it."""
+    def _prepare_weights_from_distributed(self, update: DistributedUpdate) -> dict:
+        """prepare_weights_from_distributed's work (the update's commit fields unset)."""
 
     @abstractmethod
     def prepare_weights_from_disk(self, model_path: str) -> dict:
@@ -276,22 +258,22 @@ class HandoffClient(ABC):
     """The prefill/decode handoff (docs/fleet.md#prefill-and-decode), declared once: Engine and
     RemoteEngine implement it; hotswap.fleet.PDRouter calls it on each engine of a pair."""
 
-    @abstractmethod
-    def prefill(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
-                input_ids: TokenIds = None, *, messages: list | None = None,
-                return_logprob: bool = False, top_logprobs_num: int = 0,
-                lora_name: PerPrompt = None, cache_salt: PerPrompt = None, rid: PerPrompt = None,
-                return_routed_experts: bool = False, transport: str = "auto") -> dict:
-        """One prompt's KV and first token; meta_info["kv_handoff"] describes the KV."""
+    prefill = request_method("prefill", drop=("stream", "session_id"), trailing=(
+        Parameter("transport", Parameter.KEYWORD_ONLY, default="auto", annotation="str"),),
+        doc="""One prompt's KV and first token; meta_info["kv_handoff"] describes the KV.""")
+    generate_from_handoff = request_method(
+        "generate_from_handoff", drop=("prompt", "input_ids", "messages", "session_id"),
+        leading=(Parameter("handoff", Parameter.POSITIONAL_OR_KEYWORD, annotation="dict"),),
+        doc="""Decode on from a prefill output (its KV used only under the same namespace).""")
 
     @abstractmethod
-    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
-                              return_logprob: bool = False, top_logprobs_num: int = 0,
-                              lora_name: str | None = None, cache_salt: str | None = None,
-                              rid: str | None = None, stream: bool = False,
-                              return_routed_experts: bool = False
-                              ) -> dict | list[dict] | Iterator[dict]:
-        """Decode on from a prefill output (its KV used only under the same namespace)."""
+    def _prefill(self, request: GenerateRequest, transport: str) -> dict:
+        """prefill's work."""
+
+    @abstractmethod
+    def _generate_from_handoff(self, handoff: dict, request: GenerateRequest
+                               ) -> dict | list[dict] | Iterator[dict]:
+        """generate_from_handoff's work; the request has no prompt (the handoff's is used)."""
 
     @abstractmethod
     def init_kv_transfer_group(self, master_address: str, master_port: int, rank: int,

@@ -23,12 +23,9 @@ from hotswap.engine.client.protocol import (
     decode_outputs,
     routes_to_json,
 )
+from hotswap.engine.client.request import DistributedUpdate, GenerateRequest
 from hotswap.engine.errors import RemoteEngineError, WeightsIncompleteError
 from hotswap.weight_sync.serialize import serialize_named_tensors
-
-_GENERATE_FIELDS = ("prompt", "input_ids", "messages", "sampling_params", "return_logprob",
-                    "top_logprobs_num", "lora_name", "cache_salt", "rid",
-                    "return_routed_experts", "session_id")
 
 
 class RemoteEngine(EngineClient, HandoffClient):
@@ -66,23 +63,13 @@ class RemoteEngine(EngineClient, HandoffClient):
 
     # generation
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, *,
-                 messages: list[dict] | list[list[dict]] | None = None,
-                 return_logprob: bool = False,
-                 top_logprobs_num: int = 0, lora_name: str | list[str] | None = None,
-                 cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False, return_routed_experts: bool = False,
-                 session_id: str | list[str] | None = None
-                 ) -> dict | list[dict] | Iterator[dict]:
-        body = _generate_body(locals())
-        if stream:
-            return self._stream(body)
-        return decode_outputs(self._call("POST", "/generate", body))
+    def _generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
+        if request.stream:
+            return self._stream(request.body())
+        return decode_outputs(self._call("POST", "/generate", request.body()))
 
     def _stream(self, body: dict[str, Any], path: str = "/generate") -> Iterator[dict]:
-        with self._client.stream("POST", path, json={**body, "stream": True},
+        with self._client.stream("POST", path, json=body,
                                  headers=self._headers(False)) as response:
             if response.status_code != 200:
                 _raise_for_error(response.status_code, response.read())
@@ -93,19 +80,10 @@ class RemoteEngine(EngineClient, HandoffClient):
                 if event is not None:
                     yield decode_outputs(event)
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, *,
-                             messages: list[dict] | list[list[dict]] | None = None,
-                             return_logprob: bool = False, top_logprobs_num: int = 0,
-                             lora_name: str | list[str] | None = None,
-                             cache_salt: str | list[str] | None = None,
-                             rid: str | list[str] | None = None,
-                             stream: bool = False, return_routed_experts: bool = False,
-                             session_id: str | list[str] | None = None
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
-        body = _generate_body(locals())
-        if stream:
+    async def _async_generate(self, request: GenerateRequest
+                              ) -> dict | list[dict] | AsyncIterator[dict]:
+        body = request.body()
+        if request.stream:
             return self._astream(body)
         response = await self._async_client().post("/generate", json=body,
                                                     headers=self._headers(False))
@@ -114,7 +92,7 @@ class RemoteEngine(EngineClient, HandoffClient):
 
     async def _astream(self, body: dict[str, Any]) -> AsyncIterator[dict]:
         client = self._async_client()
-        async with client.stream("POST", "/generate", json={**body, "stream": True},
+        async with client.stream("POST", "/generate", json=body,
                                  headers=self._headers(False)) as response:
             if response.status_code != 200:
                 _raise_for_error(response.status_code, await response.aread())
@@ -200,35 +178,15 @@ class RemoteEngine(EngineClient, HandoffClient):
                                   master_port=master_port, rank_offset=rank_offset,
                                   world_size=world_size, group_name=group_name, backend=backend)
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]],
-                                        group_name: str = "weight_update_group",
-                                        flush_cache: bool = True,
-                                        load_format: str | None = None, *,
-                                        weight_version: str | None = None,
-                                        pause_mode: str = "retract",
-                                        commit: bool | None = None,
-                                        lora_name: str | None = None,
-                                        staging: str | None = None) -> dict:
+    def _update_weights_from_distributed(self, update: DistributedUpdate) -> dict:
         # Unset options stay out of the body: a server older than `staging` still takes it.
-        extra = {k: v for k, v in {"lora_name": lora_name, "staging": staging}.items()
-                 if v is not None}
-        return self._post_control(
-            "/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
-            shapes=[list(s) for s in shapes], group_name=group_name,
-            weight_version=weight_version, flush_cache=flush_cache, pause_mode=pause_mode,
-            load_format=load_format, commit=commit, **extra)
+        return self._post_control("/update_weights_from_distributed", **update.body())
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._post_control("/destroy_weights_update_group", group_name=group_name)
 
-    def prepare_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]],
-                                         group_name: str = "weight_update_group",
-                                         load_format: str | None = None) -> dict:
-        return self._post_control(
-            "/prepare_weights_from_distributed", names=list(names), dtypes=list(dtypes),
-            shapes=[list(s) for s in shapes], group_name=group_name, load_format=load_format)
+    def _prepare_weights_from_distributed(self, update: DistributedUpdate) -> dict:
+        return self._post_control("/prepare_weights_from_distributed", **update.body())
 
     def prepare_weights_from_disk(self, model_path: str) -> dict:
         return self._post_control("/prepare_weights_from_disk", model_path=model_path)
@@ -282,30 +240,17 @@ class RemoteEngine(EngineClient, HandoffClient):
     # prefill/decode handoff (docs/fleet.md#prefill-and-decode): the KV travels by shm or
     # the KV transfer group, never in the JSON
 
-    def prefill(self, prompt: str | list[str] | None = None,
-                sampling_params: dict | list[dict] | None = None,
-                input_ids: list[int] | list[list[int]] | None = None, *,
-                messages: list[dict] | list[list[dict]] | None = None,
-                return_logprob: bool = False, top_logprobs_num: int = 0,
-                lora_name: str | list[str] | None = None,
-                cache_salt: str | list[str] | None = None, rid: str | list[str] | None = None,
-                return_routed_experts: bool = False, transport: str = "auto") -> dict:
+    def _prefill(self, request: GenerateRequest, transport: str) -> dict:
         if transport == "inline":
             raise ValueError('transport="inline" passes a tensor in-process; over HTTP use '
                              '"shm" (one host) or "group"')
-        transport = "shm" if transport == "auto" else transport
-        body = {k: v for k, v in locals().items() if k != "self" and v is not None}
+        body = {**request.body(), "transport": "shm" if transport == "auto" else transport}
         return decode_outputs(self._call("POST", "/prefill", body))
 
-    def generate_from_handoff(self, handoff: dict, sampling_params: dict | None = None, *,
-                              return_logprob: bool = False, top_logprobs_num: int = 0,
-                              lora_name: str | None = None, cache_salt: str | None = None,
-                              rid: str | None = None, stream: bool = False,
-                              return_routed_experts: bool = False
-                              ) -> dict | list[dict] | Iterator[dict]:
-        body = {k: v for k, v in locals().items() if k != "self" and v is not None}
-        body["handoff"] = _routes_encoded(handoff)
-        if stream:
+    def _generate_from_handoff(self, handoff: dict, request: GenerateRequest
+                               ) -> dict | list[dict] | Iterator[dict]:
+        body = {**request.body(), "handoff": _routes_encoded(handoff)}
+        if request.stream:
             return self._stream(body, "/generate_from_handoff")
         return decode_outputs(self._call("POST", "/generate_from_handoff", body))
 
@@ -369,15 +314,6 @@ def _routes_encoded(output: dict) -> dict:
         return output
     return {**output, "meta_info": {**meta,
                                     "routed_experts": routes_to_json(meta["routed_experts"])}}
-
-
-def _generate_body(args: dict[str, Any]) -> dict[str, Any]:
-    body = {k: args[k] for k in _GENERATE_FIELDS if args[k] is not None}
-    for flag, default in (("return_logprob", False), ("top_logprobs_num", 0),
-                          ("return_routed_experts", False)):
-        if body.get(flag) == default:
-            del body[flag]
-    return body
 
 
 def _raise_for_error(status: int, content: bytes) -> None:

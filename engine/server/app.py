@@ -42,7 +42,7 @@ from hotswap.engine.server.protocol import (
     ChatCompletionRequest,
     CloseSessionRequest,
     CompletionRequest,
-    GenerateRequest,
+    GenerateBody,
     OpenSessionRequest,
 )
 from hotswap.engine.server.serving import (
@@ -135,7 +135,7 @@ async def close_session(state: State, body: CloseSessionRequest) -> Response:
 
 
 @inference.post("/generate")
-async def generate(state: State, body: GenerateRequest, request: Request) -> Response:
+async def generate(state: State, body: GenerateBody, request: Request) -> Response:
     kwargs, options = translate_generate(body)
     stream = kwargs.pop("stream", False)
     decode = state.engine.tokenizer.decode

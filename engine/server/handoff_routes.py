@@ -17,7 +17,7 @@ from pydantic import Field
 from starlette.responses import Response
 
 from hotswap.engine.client.protocol import decode_outputs
-from hotswap.engine.server.protocol import Body, Int, NonNegInt, Port, TopLogprobs
+from hotswap.engine.server.protocol import Body, Int, Port, request_body
 from hotswap.engine.server.serving import SSEResponse, State, blocking
 
 handoff_routes = APIRouter()
@@ -25,31 +25,12 @@ handoff_control = APIRouter()
 _END = object()
 
 
-class PrefillRequest(Body):
-    prompt: str | None = None
-    input_ids: list[NonNegInt] | None = None
-    messages: list[dict[str, Any]] | None = None
-    sampling_params: dict[str, Any] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: TopLogprobs = 0
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    rid: str | None = None
-    return_routed_experts: bool = False
-    # "auto" is "shm" here: "inline" holds a tensor, for engines of one process only
-    transport: Literal["auto", "shm", "group"] = "auto"
-
-
-class FromHandoffRequest(Body):
-    handoff: dict[str, Any]
-    sampling_params: dict[str, Any] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: TopLogprobs = 0
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    rid: str | None = None
-    stream: bool = False
-    return_routed_experts: bool = False
+# "auto" is "shm" over HTTP: "inline" holds a tensor, for engines of one process only
+PrefillRequest = request_body("PrefillRequest", drop=("stream", "session_id"), transport=(
+    Literal["auto", "shm", "group"], "auto"))
+FromHandoffRequest = request_body(
+    "FromHandoffRequest", drop=("prompt", "input_ids", "messages", "session_id"),
+    handoff=(dict[str, Any], ...))
 
 
 class KVGroupRequest(Body):

@@ -7,7 +7,9 @@ only the engine knows (vocabulary, context length, sampling limits) are left to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -16,10 +18,12 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    create_model,
     model_validator,
 )
 
 from hotswap.engine.client.protocol import MAX_N, PAUSE_MODES, STAGING_MODES
+from hotswap.engine.client.request import DistributedUpdate, GenerateRequest
 
 PauseMode = Literal[PAUSE_MODES]  # the engine's rules, so the OpenAPI schema shows them
 Staging = Literal[STAGING_MODES]
@@ -260,29 +264,34 @@ def _check_tool_history(messages: list[ChatMessage]) -> None:
             open_calls.discard(m.tool_call_id)
 
 
-class GenerateRequest(Body):
-    """The native route: Engine.generate's arguments; the engine validates their contents."""
+def request_body(name: str, request_type: type = GenerateRequest, drop: tuple[str, ...] = (),
+                 refined: dict[str, Any] | None = None, **extra: Any) -> type[Body]:
+    """A body model of an engine call's arguments, `request_type`'s fields (less `drop`) plus
+    `extra` fields ((type, default) pairs), so a route takes exactly what the call does;
+    `refined` gives a field a stricter JSON type (ids and counts are JSON numbers: 8.0 is 8)."""
+    hints = typing.get_type_hints(request_type)
+    refined = {**_REFINED.get(request_type, {}), **(refined or {})}
+    fields = {f.name: (refined.get(f.name, hints[f.name]),
+                       ... if f.default is dataclasses.MISSING else f.default)
+              for f in dataclasses.fields(request_type) if f.name not in drop}
+    return create_model(name, __base__=Body, **fields, **extra)
 
-    prompt: str | list[str] | None = None
-    input_ids: list[NonNegInt] | list[list[NonNegInt]] | None = None
-    messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: Int = 0
-    lora_name: str | list[str | None] | None = None
-    cache_salt: str | list[str | None] | None = None
-    rid: str | list[str | None] | None = None
-    stream: bool = False
-    return_routed_experts: bool = False
-    session_id: str | list[str | None] | None = None
-    # SGLang's names and fields (translated or refused in sglang_compat.py).
-    text: str | list[str] | None = None
-    image_data: Any = None
-    logprob_start_len: Int | None = None
-    token_ids_logprob: Any = None
-    lora_path: str | list[str | None] | None = None
-    custom_logit_processor: Any = None
-    return_text_in_logprobs: bool | None = None
+
+_REFINED: dict[type, dict[str, Any]] = {
+    GenerateRequest: {"input_ids": list[NonNegInt] | list[list[NonNegInt]] | None,
+                      "top_logprobs_num": Int},
+    DistributedUpdate: {"shapes": list[list[Int]], "pause_mode": PauseMode,
+                        "load_format": Literal["flattened_bucket", "delta"] | None,
+                        "staging": Staging | None}}
+
+
+# The native route: Engine.generate's arguments (the engine validates their contents), with
+# SGLang's names and fields (translated or refused in sglang_compat.py).
+GenerateBody = request_body(
+    "GenerateRequest", text=(str | list[str] | None, None), image_data=(Any, None),
+    logprob_start_len=(Int | None, None), token_ids_logprob=(Any, None),
+    lora_path=(str | list[str | None] | None, None), custom_logit_processor=(Any, None),
+    return_text_in_logprobs=(bool | None, None))
 
 
 class OpenSessionRequest(Body):
@@ -312,20 +321,9 @@ class InitGroupRequest(Body):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
-class UpdateFromDistributedRequest(Body):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[Int]]
-    group_name: str = "weight_update_group"
-    weight_version: str | None = None
-    flush_cache: bool = True  # accepted and ignored: see Engine's update methods
-    pause_mode: PauseMode = "retract"
-    load_format: Literal["flattened_bucket", "delta"] | None = None
-    # None: commit when flush_cache is true, as SGLang's trainers send flush_cache=False on every
-    # bucket but the last; a staged update commits at flush_cache or continue_generation.
-    commit: bool | None = None
-    lora_name: str | None = None  # the names are this LoRA adapter's (PEFT names)
-    staging: Staging | None = None  # None: the server's --weight-staging
+UpdateFromDistributedRequest = request_body("UpdateFromDistributedRequest", DistributedUpdate)
+PrepareFromDistributedRequest = request_body("PrepareFromDistributedRequest", DistributedUpdate,
+                                             drop=DistributedUpdate.COMMIT_FIELDS)
 
 
 class GroupRequest(Body):

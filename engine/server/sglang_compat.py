@@ -18,7 +18,7 @@ from starlette.responses import Response
 from hotswap.engine.server.protocol import (
     Body,
     FlushRequest,
-    GenerateRequest,
+    GenerateBody,
     PauseMode,
 )
 from hotswap.engine.server.serving import State, blocking, error_response, json_response
@@ -55,7 +55,7 @@ class GenerateOptions:
         self.logprob_text = logprob_text  # None: hotswap's [logprob, id] pairs
 
 
-def translate_generate(body: GenerateRequest) -> tuple[dict[str, Any], GenerateOptions]:
+def translate_generate(body: GenerateBody) -> tuple[dict[str, Any], GenerateOptions]:
     """Engine.generate kwargs and response options from a /generate body."""
     kwargs = body.model_dump(exclude_defaults=True)
     for name in _NULL_ONLY:

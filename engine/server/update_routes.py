@@ -8,24 +8,18 @@ prepares every server first and commits only when all prepared, so none ends on 
 
 from __future__ import annotations
 
-from typing import Literal
-
 from fastapi import APIRouter
 from starlette.responses import Response
 
 from hotswap.engine.server.control_api import _update
-from hotswap.engine.server.protocol import Body, Int, PauseMode
+from hotswap.engine.server.protocol import (
+    Body,
+    PauseMode,
+    PrepareFromDistributedRequest,
+)
 from hotswap.engine.server.serving import State, blocking
 
 update_routes = APIRouter()
-
-
-class PrepareFromDistributedRequest(Body):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[Int]]
-    group_name: str = "weight_update_group"
-    load_format: Literal["flattened_bucket", "delta"] | None = None
 
 
 class PrepareFromDiskRequest(Body):

@@ -1,0 +1,251 @@
+"""The requests of the engine interface, each defined once (docs/design.md#one-request).
+
+`GenerateRequest` is every argument of generate: its fields in SGLang's order, their defaults,
+which are given per prompt, and the shape checks every implementation shares. The public
+signatures of `generate`, `async_generate`, `prefill` and `generate_from_handoff` are made from
+its fields (`request_method`), so Engine, RemoteEngine, Router, RayFleet, PDRouter and the Ray
+replica client take the same keywords without spelling them out, and the HTTP routes' bodies
+are its fields too. A new argument is one field here, plus its handling where it is used.
+`DistributedUpdate` does the same for update_weights_from_distributed and
+prepare_weights_from_distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+PROMPT_INPUTS = ("prompt", "input_ids", "messages")  # exactly one is given
+MAX_TOP_LOGPROBS = 100
+
+
+def _per_prompt(kind: type) -> Any:
+    """A field given once for every prompt, or as a list with one value (or None) per prompt."""
+    return field(default=None, metadata={"per_prompt": kind})
+
+
+class Request:
+    """What the requests share: the fields named in POSITIONAL are positional in the methods
+    made from them (in field order), the rest keyword-only."""
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ()
+
+    def body(self) -> dict[str, Any]:
+        """The fields that differ from their defaults: what travels over HTTP or to a replica,
+        so that the receiving engine applies its own defaults."""
+        return {f.name: value for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if (value := getattr(self, f.name)) is not None and value != f.default}
+
+    def replace(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class GenerateRequest(Request):
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("prompt", "sampling_params", "input_ids")  # SGLang's
+
+    prompt: str | list[str] | None = None
+    sampling_params: dict | list[dict] | None = _per_prompt(dict)
+    input_ids: list[int] | list[list[int]] | None = None
+    # chat messages (a conversation, or a list of them); the chat template is applied
+    messages: list[dict] | list[list[dict]] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    lora_name: str | list[str | None] | None = _per_prompt(str)  # None: the base model
+    cache_salt: str | list[str | None] | None = _per_prompt(str)  # other salts share no KV
+    rid: str | list[str | None] | None = _per_prompt(str)  # generated when absent
+    stream: bool = False
+    # MoE models: meta_info["routed_experts"] (docs/moe.md)
+    return_routed_experts: bool = False
+    # an open session's (open_session): the turn's KV stays pinned after it
+    session_id: str | list[str | None] | None = _per_prompt(str)
+
+    # one request per prompt
+
+    @property
+    def kind(self) -> str:
+        """Which prompt input the request gives: "prompt", "input_ids" or "messages"."""
+        given = [name for name in PROMPT_INPUTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, input_ids, messages")
+        return given[0]
+
+    def split(self) -> tuple[list[GenerateRequest], bool]:
+        """One request per prompt, its per-prompt fields single values and its rid set, after
+        the checks that need no model; and whether the call gave one prompt (not a list), so
+        that its output is a dict, not a list. Raises ValueError naming the field."""
+        kind = self.kind
+        values, single = _prompts(kind, getattr(self, kind))
+        self._check_call_fields()
+        count = len(values)
+        columns = {f.name: _listed(getattr(self, f.name), count, f.name, f.metadata["per_prompt"])
+                   for f in dataclasses.fields(self) if "per_prompt" in f.metadata}
+        rids = [r for r in columns["rid"] if r is not None]
+        if len(set(rids)) < len(rids):
+            raise ValueError("rid values must be unique")
+        columns["rid"] = [r or uuid.uuid4().hex for r in columns["rid"]]
+        rows = [self.replace(**{kind: value}, **{name: column[i] for name, column in
+                                                 columns.items()})
+                for i, value in enumerate(values)]
+        return rows, single
+
+    @classmethod
+    def join(cls, rows: list[GenerateRequest]) -> GenerateRequest:
+        """Rows of one call (split's, same prompt input and per-call fields) as one request
+        for a list of prompts."""
+        first = rows[0]
+        per_prompt = {f.name for f in dataclasses.fields(cls) if "per_prompt" in f.metadata}
+        listed = {name: [getattr(r, name) for r in rows] for name in per_prompt}
+        listed = {name: values for name, values in listed.items()
+                  if any(v is not None for v in values)}
+        return first.replace(**{first.kind: [getattr(r, first.kind) for r in rows]},
+                             **{name: listed.get(name) for name in per_prompt})
+
+    @property
+    def value(self) -> Any:
+        """A row's prompt: its text, token ids or conversation."""
+        return getattr(self, self.kind)
+
+    @property
+    def samples(self) -> int:
+        """A row's sample count (its sampling_params' n)."""
+        n = (self.sampling_params or {}).get("n", 1)
+        return n if isinstance(n, int) and n > 0 else 1
+
+    def sample_ids(self) -> list[str]:
+        """A row's output ids: its rid, or "rid-k" for the k-th of n samples."""
+        rid = str(self.rid)
+        return [rid] if self.samples == 1 else [f"{rid}-{k}" for k in range(self.samples)]
+
+    def _check_call_fields(self) -> None:
+        for name in ("return_logprob", "stream", "return_routed_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        top = self.top_logprobs_num
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+
+
+@dataclass(frozen=True)
+class DistributedUpdate(Request):
+    """A broadcast update's arguments (update_weights_from_distributed); prepare takes the
+    tensors' description, group_name and load_format."""
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("names", "dtypes", "shapes", "group_name",
+                                             "flush_cache", "load_format")  # SGLang's order
+    # A prepared update learns how it commits at commit_weight_update, not when it is received.
+    COMMIT_FIELDS: ClassVar[tuple[str, ...]] = ("flush_cache", "weight_version", "pause_mode",
+                                                "commit", "lora_name", "staging")
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True  # with commit=None: whether this call commits (resolve_commit)
+    load_format: str | None = None  # None | "flattened_bucket": one buffer per dtype
+    weight_version: str | None = None
+    pause_mode: str = "retract"
+    commit: bool | None = None
+    lora_name: str | None = None  # the names are this adapter's PEFT tensors
+    staging: str | None = None  # STAGING_MODES; None: the engine's weight_staging
+
+    def __post_init__(self) -> None:  # JSON and Ray give lists; a trainer may give tuples
+        object.__setattr__(self, "names", list(self.names))
+        object.__setattr__(self, "dtypes", list(self.dtypes))
+        object.__setattr__(self, "shapes", [list(s) for s in self.shapes])
+
+    def tensors(self) -> tuple[list[str], list[str], list[list[int]]]:
+        return self.names, self.dtypes, self.shapes
+
+    def prepare_body(self) -> dict[str, Any]:
+        """The arguments of prepare_weights_from_distributed for the same tensors."""
+        return {k: v for k, v in self.body().items() if k not in self.COMMIT_FIELDS}
+
+
+def _prompts(kind: str, value: Any) -> tuple[list[Any], bool]:
+    """The prompts of a call and whether it gave one; shapes checked, contents are the
+    engine's (tokenizer, vocabulary, chat template)."""
+    if kind == "prompt":
+        if isinstance(value, str):
+            return [value], True
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            return list(value), False
+        raise ValueError("prompt must be a non-empty str or a non-empty list of str")
+    if kind == "input_ids":
+        if _ids(value):
+            return [list(value)], True
+        if isinstance(value, list) and value and all(_ids(x) for x in value):
+            return [list(x) for x in value], False
+        raise ValueError("input_ids must be a non-empty list of int or a list of such lists")
+    if _conversation(value):
+        return [value], True
+    if isinstance(value, list) and value and all(_conversation(c) for c in value):
+        return list(value), False
+    raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a "
+                     "list of such lists")
+
+
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _conversation(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def _listed(value: Any, count: int, name: str, kind: type) -> list[Any]:
+    """A per-prompt field as a list of `count`: one value for all, or a list."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if isinstance(value, list) and len(value) == count and all(
+            v is None or isinstance(v, kind) for v in value):
+        return list(value)
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")
+
+
+def request_method(name: str, request_type: type[Request] = GenerateRequest, *,
+                   drop: Iterable[str] = (), leading: tuple[inspect.Parameter, ...] = (),
+                   trailing: tuple[inspect.Parameter, ...] = (),
+                   asynchronous: bool = False, doc: str = "") -> Callable[..., Any]:
+    """A public method `name` whose signature is `request_type`'s fields (less `drop`), after
+    `leading` positional parameters and before `trailing` keyword-only ones. A call binds its
+    arguments (TypeError as for any function), builds the request and returns
+    `self._<name>(*leading, request, **trailing)`: implementations write only that method."""
+    dropped = set(drop)
+    own = [inspect.Parameter(
+        f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name in request_type.POSITIONAL
+        else inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+        default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(request_type) if f.name not in dropped]
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    signature = inspect.Signature([self_param, *leading, *own, *trailing])
+    first = [p.name for p in leading]
+    last = [p.name for p in trailing]
+
+    def arguments(args: tuple, kwargs: dict) -> tuple[Any, list[Any], dict[str, Any]]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        impl = getattr(values.pop("self"), f"_{name}")
+        lead = [values.pop(n) for n in first]
+        trail = {n: values.pop(n) for n in last}
+        return impl, [*lead, request_type(**values)], trail
+
+    if asynchronous:
+        async def method(*args: Any, **kwargs: Any) -> Any:
+            impl, positional, keywords = arguments(args, kwargs)
+            return await impl(*positional, **keywords)
+    else:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            impl, positional, keywords = arguments(args, kwargs)
+            return impl(*positional, **keywords)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = inspect.cleandoc(doc) if doc else None
+    method.__signature__ = signature  # type: ignore[attr-defined]
+    return method
