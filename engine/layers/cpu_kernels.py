@@ -12,7 +12,8 @@ matmuls at batch 1, and decode attention gathers every row's keys into a padded 
 kernels are compiled once (a C++ compiler and ninja, about a minute; `make setup` does it ahead,
 `python -m hotswap.engine.layers.cpu_kernels`) into torch's extension cache, under a name keyed
 by the sources' bytes, the compiler flags, torch's version and, for -march=native, the CPU: two
-checkouts of one version share a build, and no checkout or ISA evicts another's.
+checkouts of one version share a build, and no checkout or ISA evicts another's. Setup removes
+the builds no current source uses (remove_old_builds).
 HOTSWAP_CPU_ISA=avx2 or avx512 (config.cpu_isa) builds them for that ISA instead of the CPU's.
 Where they cannot be built, or with HOTSWAP_CPU_KERNELS=0, the torch-ops path runs instead (the
 same math, more ops) and the reason is logged once.
@@ -20,9 +21,11 @@ same math, more ops) and the reason is logged once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -50,6 +53,7 @@ TORCH_ISA_ENV = {
                "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+BUILD_NAME = re.compile(rf"hotswap_cpu_kernels_({'|'.join(MARCH)})_[0-9a-f]{{12}}")
 
 
 class Build(NamedTuple):
@@ -73,16 +77,35 @@ def build_spec() -> Build:
     from torch.utils.cpp_extension import _get_build_directory
 
     isa = cpu_isa()
+    name = build_name(isa)
+    return Build(name, Path(_get_build_directory(name, verbose=False)), _cflags(isa))
+
+
+def _cflags(isa: str) -> list[str]:
     # -fno-trapping-math: lets GCC if-convert (and so vectorise) the clamped exp of the SiLU, the
     # softmax and the sampler without AVX-512's masks; no value changes, only FP traps.
-    cflags = ["-O3", MARCH[isa], "-fopenmp", "-fno-trapping-math"]
-    digest = hashlib.sha1(" ".join([*cflags, torch.__version__]).encode())
+    return ["-O3", MARCH[isa], "-fopenmp", "-fno-trapping-math"]
+
+
+def build_name(isa: str) -> str:
+    """The folder name of this source's build for `isa` on this CPU."""
+    digest = hashlib.sha1(" ".join([*_cflags(isa), torch.__version__]).encode())
     if isa == "native":  # -march=native: built for this CPU, never loaded on another
         digest.update(_cpu_info().encode())
-    for path in _source_files():
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    name = f"hotswap_cpu_kernels_{isa}_{digest.hexdigest()[:12]}"
-    return Build(name, Path(_get_build_directory(name, verbose=False)), cflags)
+    digest.update(_source_bytes())
+    return f"hotswap_cpu_kernels_{isa}_{digest.hexdigest()[:12]}"
+
+
+def _build_key(isa: str) -> str:
+    """What a build for `isa` depends on but the CPU: written into its `ready` file, so that a
+    cache shared by several machines keeps another CPU's native build of this source."""
+    digest = hashlib.sha1(" ".join([*_cflags(isa), torch.__version__]).encode())
+    digest.update(_source_bytes())
+    return digest.hexdigest()
+
+
+def _source_bytes() -> bytes:
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in _source_files())
 
 
 def _cpu_info() -> str:
@@ -148,7 +171,7 @@ def _compile(build: Build) -> bool:
     except Exception as e:  # a compiler error, a missing header: fall back, say why
         logger.warning("CPU kernels not built (%s): torch ops instead, slower", e)
         return False
-    build.ready.touch()
+    build.ready.write_text(_build_key(cpu_isa()))
     logger.info("CPU kernels built in %.1f s", time.perf_counter() - start)
     return True
 
@@ -369,15 +392,40 @@ def decode_layers(x: torch.Tensor, stack: torch.ScriptObject, k_bufs: list[torch
     return stack.forward(x, k_bufs, v_bufs, cos, sin, loc, req_to_token, req_idx, seq_lens, scale)
 
 
+def remove_old_builds(root: Path) -> list[Path]:
+    """Remove the kernel builds in `root` (torch's extension folder) that no current source
+    uses: each ISA's current build, another CPU's native build of this source and a folder
+    changed in the last STALE_LOCK_S (a build under way) stay; nothing but hotswap's kernel
+    builds is touched. Returns the folders removed."""
+    keep = {build_name(isa) for isa in MARCH}
+    keys = {_build_key(isa) for isa in MARCH}
+    removed = []
+    for path in sorted(root.iterdir()):
+        if (not BUILD_NAME.fullmatch(path.name) or path.is_symlink() or not path.is_dir()
+                or path.name in keep or time.time() - path.stat().st_mtime < STALE_LOCK_S):
+            continue
+        with contextlib.suppress(OSError):  # an older build has an empty `ready`, or none
+            if (path / "ready").read_text() in keys:
+                continue
+        shutil.rmtree(path, ignore_errors=True)  # another setup may be removing it too
+        removed.append(path)
+    return removed
+
+
 def main() -> None:
-    """Build the kernels now (`make setup`), so that an Engine's first start does not."""
+    """Build the kernels now (`make setup`), so that an Engine's first start does not, and
+    remove the builds of older sources, ISAs' flags and torch versions."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     if not available():
         print("hotswap: CPU kernels not built (see above): the engine runs torch ops instead")
         return
-    print(f"hotswap: CPU kernels for {cpu_isa()} ready in {build_spec().directory} "
+    build = build_spec()
+    print(f"hotswap: CPU kernels for {cpu_isa()} ready in {build.directory} "
           f"({time.perf_counter() - start:.1f} s)")
+    removed = remove_old_builds(build.directory.parent)
+    if removed:
+        print(f"hotswap: removed {len(removed)} old kernel builds from {build.directory.parent}")
 
 
 if __name__ == "__main__":

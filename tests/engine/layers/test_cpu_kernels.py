@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -384,3 +385,47 @@ def test_missing_sources_fall_back_with_the_reason_logged(tmp_path, monkeypatch,
         assert cpu_kernels._build() is False
     assert "no kernel sources" in caplog.text
 
+
+
+def test_setup_removes_old_builds_and_nothing_else(tmp_path, monkeypatch, capsys):
+    """Every source edit, torch version and flag change leaves a 2.5 MB build behind; `make
+    setup` keeps each ISA's current build, another CPU's native build of this source (a cache
+    shared by machines) and a build under way, and touches nothing else in the folder."""
+    root = tmp_path / "ext"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    old_time = time.time() - 2 * cpu_kernels.STALE_LOCK_S
+
+    def build(name: str, ready: str = "", fresh: bool = False) -> Path:
+        folder = root / name
+        (folder / "src").mkdir(parents=True)
+        (folder / f"{name}.so").write_bytes(b"\0" * 64)
+        (folder / "ready").write_text(ready)
+        if not fresh:
+            os.utime(folder, (old_time, old_time))
+        return folder
+
+    current = [build(cpu_kernels.build_name(isa)) for isa in cpu_kernels.MARCH]
+    other_cpu = build("hotswap_cpu_kernels_native_0123456789ab",
+                      ready=cpu_kernels._build_key("native"))
+    under_way = build("hotswap_cpu_kernels_avx2_00000000000a", fresh=True)
+    edited = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.SOURCE_DIR, edited)
+    (edited / "rope.cpp").write_text((edited / "rope.cpp").read_text() + "\n")
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "SOURCE_DIR", edited)
+        old = [build(cpu_kernels.build_name("native"))]
+        m.setattr(cpu_kernels.torch, "__version__", "2.8.0")
+        old.append(build(cpu_kernels.build_name("avx2"), ready=cpu_kernels._build_key("avx2")))
+    others = [root / "hotswap_cpu_kernels_avx2_0000000000bb", root / "hotswap_cpu_kernels_v1",
+              root / "my_extension", root / "hotswap_cpu_kernels_avx512_0000000000cc"]
+    others[0].write_text("a file with a build's name")
+    for folder in others[1:3]:
+        folder.mkdir()
+        os.utime(folder, (old_time, old_time))
+    others[3].symlink_to(build("elsewhere"), target_is_directory=True)
+
+    cpu_kernels.main()
+
+    assert sorted(p for p in root.iterdir() if p.exists()) == sorted(
+        [*current, other_cpu, under_way, *others, root / "elsewhere"])
+    assert f"removed {len(old)} old kernel builds from {root}" in capsys.readouterr().out
