@@ -12,7 +12,9 @@ with `--transport gloo`, into an engine server process over a gloo group by
 engine replicas on Ray (hotswap.fleet.RayFleet) and pushes to all of them every step, through
 Ray's object store or, with `--transport gloo`, one broadcast. `--async` samples the next batch
 while the trainer trains (AsyncRollout, staleness bounded by --max-staleness). Metrics go to wandb
-(offline unless WANDB_MODE says otherwise) and to the console as one row per step.
+(offline unless WANDB_MODE says otherwise), to metrics.jsonl in the run folder, and to the console
+as one table row per step (a progress bar too, on a terminal); at the end the run is drawn into
+metrics.png beside them (rollout/plot.py), whose path is the last line printed.
 `--quantization int8` samples from an int8 engine (the trainer stays float32); `--tis C` then
 weights the loss by truncated importance sampling (rollout/importance.py): the PPO ratio is taken
 against the trainer's own logprobs and each token weighted by min(pi_trainer / pi_rollout, C).
@@ -38,14 +40,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from hotswap.rollout.advantages import nonzero_std
 from hotswap.rollout.client import TokenClient
 from hotswap.rollout.collect import collect
 from hotswap.rollout.importance import MODES
+from hotswap.rollout.plot import draw
 from hotswap.rollout.tasks import TASKS, Task, make_task, tool_score
 from hotswap.rollout.tasks import addition_rows as addition_rows  # examples and bench use it
-from hotswap.rollout.tracking import Tracker, batch_metrics, tool_metrics
+from hotswap.rollout.tracking import Tracker, batch_metrics, is_terminal, tool_metrics
 from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
 from hotswap.weight_sync.group import free_port
@@ -106,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delta-updates", action="store_true",
                    help="push only the weights' elements that changed in the engine's dtype "
                         "(full when a delta does not pay or is refused)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no table and no progress bar (the job's own lines still print)")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="int8: the engine samples with int8 weights x int8 activations (CPU)")
     p.add_argument("--tis", type=float, default=None, metavar="C",
@@ -347,11 +352,13 @@ def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
 
 
 def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
-    """Train; returns the per-step metrics and the wandb run folder. reward: default the task's
-    (exact match of the addition's answer; the tools task's ToolReward)."""
+    """Train; returns the per-step metrics, the wandb run folder and the plot's path. reward:
+    default the task's (exact match of the addition's answer; the tools task's ToolReward)."""
     from hotswap.engine.models.fetch import ensure_model
 
     torch.manual_seed(args.seed)
+    if not is_terminal(sys.stderr):  # a log: no model-loading bars from transformers in it
+        hf_logging.disable_progress_bar()
     path = ensure_model(args.model_path)
     started = time.perf_counter()
     history: list[dict[str, Any]] = []
@@ -371,10 +378,9 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         fleet += ", routing replay" if args.routing_replay else ""
         fleet += ", exact logprobs (deterministic engine)" if args.exact_logprobs else ""
         fleet += f", tools task (<= {args.max_turns} turns)" if args.task == "tools" else ""
-        print(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}{fleet}"
-              f"{', async' if args.async_mode else ''}, {args.prompts} groups x "
-              f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}",
-              flush=True)
+        tracker.write(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}"
+                      f"{fleet}{', async' if args.async_mode else ''}, {args.prompts} groups x "
+                      f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}")
         task = make_task(args.task, args.max_new_tokens, args.max_turns, args.format_reward)
         reward = reward or task.reward
         source = (async_batches if args.async_mode else batches)(args, client, task, reward)
@@ -398,7 +404,9 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
           f"groups: first 3 steps {_mean(h.get(key, math.nan) for h in history[:3]):.3f}, "
           f"last 3 steps {_mean(h.get(key, math.nan) for h in history[-3:]):.3f}")
     print(f"wandb run ({tracker.mode}) written to {run_dir}")
-    return {"history": history, "run_dir": run_dir, "wall_s": wall}
+    plot = draw(run_dir)
+    print(f"plot written to {plot}", flush=True)
+    return {"history": history, "run_dir": run_dir, "wall_s": wall, "plot": plot}
 
 
 def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, trainer: Trainer,

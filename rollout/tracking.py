@@ -1,5 +1,6 @@
-"""Tracker: per-step metrics and sample completions to wandb (offline by default), and the
-console: one table row per step under a progress bar over the run's steps.
+"""Tracker: per-step metrics and sample completions to wandb (offline by default), every step's
+metrics as one JSON line in the run's folder (metrics.jsonl, what rollout/plot.py draws), and the
+console: a header, then one table row per step, with a progress bar below on a terminal only.
 
 `WANDB_MODE` is respected when set; otherwise the run is written offline under `dir`
 (`wandb sync <run dir>` uploads it later). No network is needed.
@@ -7,12 +8,15 @@ console: one table row per step under a progress bar over the run's steps.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from hotswap.rollout.trajectory import RolloutBatch
+
+METRICS_FILE = "metrics.jsonl"  # in the run's folder: one JSON row per step
 
 # Console columns: (metric key, header, width, format spec).
 COLUMNS = [
@@ -34,10 +38,55 @@ COLUMNS = [
 ]
 
 
+class Console:
+    """A header, then one row per step in the columns the first row had (a later row leaves a
+    missing value blank). The progress bar is drawn only when the stream is a terminal: in a
+    file or a pipe its redraws would land between the rows."""
+
+    def __init__(self, total_steps: int | None = None, stream: TextIO | None = None):
+        self.stream = stream or sys.stdout
+        self.columns: list[tuple[str, str, int, str]] | None = None
+        self.bar = None
+        if is_terminal(self.stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="grpo", unit="step", file=self.stream,
+                            leave=False, dynamic_ncols=True)
+
+    def write(self, line: str) -> None:
+        """A line above the bar (or just the line, without one)."""
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def row(self, metrics: dict[str, Any]) -> None:
+        if self.columns is None:
+            self.columns = [c for c in COLUMNS if c[0] in metrics]
+            self.write(" ".join(f"{h:>{w}}" for _, h, w, _ in self.columns))
+        self.write(" ".join(_fmt(metrics.get(k, ""), w, spec) for k, _, w, spec in self.columns))
+        if self.bar is not None:
+            self.bar.update(1)
+            reward = metrics.get("reward/sampled_mean", metrics.get("reward/mean", math.nan))
+            self.bar.set_postfix(reward=f"{reward:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def is_terminal(stream: TextIO | None) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class Tracker:
     def __init__(self, project: str = "hotswap", mode: str | None = None, dir: str | None = None,
                  config: dict | None = None, name: str | None = None,
                  total_steps: int | None = None, console: bool = True):
+        """console=False: no table and no progress bar (wandb and metrics.jsonl only)."""
         import wandb
 
         self.mode = mode or os.environ.get("WANDB_MODE") or "offline"
@@ -48,19 +97,23 @@ class Tracker:
         self._wandb = wandb
         self.table = wandb.Table(columns=["step", "prompt", "completion", "reward",
                                           "weight_versions"])
-        self.console = console
-        self.bar = None
-        if console:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, desc="grpo", unit="step", file=sys.stderr,
-                            leave=True, dynamic_ncols=True)
-        self._header_done = False
+        self.console = Console(total_steps) if console else None
 
     @property
     def run_dir(self) -> str:
         """The folder wandb writes this run to (offline: `.../wandb/offline-run-*`)."""
         return os.path.dirname(self.run.dir)
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.run_dir, METRICS_FILE)
+
+    def write(self, line: str) -> None:
+        """A line of the job's own, above the progress bar if there is one."""
+        if self.console is not None:
+            self.console.write(line)
+        else:
+            print(line, flush=True)
 
     def log(self, step: int, metrics: dict[str, Any],
             samples: list[tuple[str, str, float, str]] | None = None) -> None:
@@ -72,32 +125,28 @@ class Tracker:
             payload["samples"] = self._wandb.Table(columns=self.table.columns,
                                                    data=self.table.data)
         self.run.log(payload, step=step)
-        if self.console:
-            self._print_row({"step": step, **metrics})
-
-    def _print_row(self, metrics: dict[str, Any]) -> None:
-        cols = [c for c in COLUMNS if c[0] in metrics]
-        if not self._header_done:
-            self._write(" ".join(f"{h:>{w}}" for _, h, w, _ in cols))
-            self._header_done = True
-        self._write(" ".join(_fmt(metrics[k], w, spec) for k, _, w, spec in cols))
-        if self.bar is not None:
-            self.bar.update(1)
-            reward = metrics.get("reward/sampled_mean", metrics.get("reward/mean", math.nan))
-            self.bar.set_postfix(reward=f"{reward:.3f}")
-
-    def _write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stdout)
-        else:
-            print(line, flush=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(_json_row({"step": step, **metrics})) + "\n")
+        if self.console is not None:
+            self.console.row({"step": step, **metrics})
 
     def finish(self) -> str:
-        if self.bar is not None:
-            self.bar.close()
+        if self.console is not None:
+            self.console.close()
         run_dir = self.run_dir
         self.run.finish()
         return run_dir
+
+
+def _json_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Numbers and strings; NaN and infinities as null (plain JSON)."""
+    row: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            row[key] = None
+        elif isinstance(value, (int, float, str)):
+            row[key] = value
+    return row
 
 
 def _fmt(value: Any, width: int, spec: str) -> str:

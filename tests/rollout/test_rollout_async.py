@@ -10,7 +10,7 @@ from fixtures import write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine
-from hotswap.rollout import SingleTurn, TokenClient
+from hotswap.rollout import SingleTurn, TokenClient, Trajectory
 from hotswap.rollout.async_rollout import AsyncRollout
 
 SHORT = {"max_new_tokens": 3}
@@ -105,34 +105,56 @@ def test_unfinished_groups_are_carried_or_resampled(engine, model_path, partial)
         assert all(v == "1" for t in seen_long for v in t.versions)  # sampled again
 
 
+class HeldAfterFirstTokens(SingleTurn):
+    """SingleTurn, except that a long row's sample stops after its first tokens, says so
+    (`first_tokens`), and goes on from prompt + those tokens, as TokenClient resubmits a sample
+    a pause interrupted, once the test has pushed (`pushed`): the group is in flight across the
+    updates with no race between its tokens and the pushes, however fast or loaded the machine."""
+
+    def __init__(self, first: int = 4):
+        super().__init__()
+        self.first = first
+        self.first_tokens, self.pushed = threading.Event(), threading.Event()
+
+    def run_group(self, client: TokenClient, row: dict, group_size: int, group_id: int,
+                  seed: int | None = None) -> list[Trajectory]:
+        if row["kind"] != "long":
+            return super().run_group(client, row, group_size, group_id, seed)
+        prompt = client.encode_row(row)
+        budget = row["sampling"]["max_new_tokens"]
+        head = client.generate(prompt, max_new_tokens=self.first, seed=seed)[0]
+        self.first_tokens.set()
+        if not self.pushed.wait(timeout=120):
+            raise TimeoutError("the test never pushed")
+        tail = client.generate(prompt + head.output_ids, max_new_tokens=budget - self.first,
+                               seed=seed)[0]
+        traj = Trajectory(prompt_ids=prompt, finish_reason=tail.finish_type, group_id=group_id,
+                          row=row, text=head.text + tail.text)
+        for part in (head, tail):
+            traj.append_generated(part.output_ids, part.logprobs, part.versions)
+        return [traj]
+
+
 @pytest.mark.parametrize("stale", ["mask", "drop"])
 def test_tokens_two_versions_old_are_masked_or_dropped(engine, model_path, stale):
     client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True})
     rows = [{"prompt": "Hello", "sampling": SHORT, "kind": "short"},
             {"prompt": "A long one", "sampling": LONG, "kind": "long"}]
-    held = threading.Event()
-
-    def hold_after_the_short_group(traj) -> float:
-        """Scored as the short group finishes, on the runner's thread: generation is held
-        there, while the long group (group 1) has its first tokens, until both pushes are in
-        (a test thread that paused after get_batch could lose the race to 120 tokens of a tiny
-        model on a loaded machine: it did, twice)."""
-        if traj.row["kind"] == "short" and not held.is_set():
-            engine.pause_generation(mode="in_place")
-            held.set()
-        return 0.0
-
-    runner = AsyncRollout(client, SingleTurn(), rows, group_size=1, batch_groups=1,
-                          max_staleness=1, partial=True, stale=stale, max_concurrent_groups=2,
-                          reward=hold_after_the_short_group)
+    loop = HeldAfterFirstTokens()
+    runner = AsyncRollout(client, loop, rows, group_size=1, batch_groups=1, max_staleness=1,
+                          partial=True, stale=stale, max_concurrent_groups=2)
     handed = []
     with runner:
-        runner.get_batch(timeout=60)
-        # Two updates while the long group runs: its first tokens are then two versions old.
-        assert held.is_set()
-        push(engine, model_path, 0)
-        push(engine, model_path, 1)
-        engine.continue_generation()
+        try:
+            first = runner.get_batch(timeout=60)
+            assert [t.group_id for t in first.trajectories] == [0]  # the short group
+            # Two updates while the long group (group 1) runs: its first tokens are then two
+            # versions old.
+            assert loop.first_tokens.wait(timeout=60)
+            push(engine, model_path, 0)
+            push(engine, model_path, 1)
+        finally:
+            loop.pushed.set()
         for _ in range(6):
             batch = runner.get_batch(timeout=120)
             handed += batch.trajectories
@@ -151,6 +173,7 @@ def test_tokens_two_versions_old_are_masked_or_dropped(engine, model_path, stale
     # A later long group, sampled after both updates, may come first; it is kept whole.
     i = next(i for i, t in enumerate(batch.trajectories) if t.group_id == 1)
     mask, versions = batch.loss_mask[i], batch.weight_versions[i]
-    assert 0 < sum(mask) < len(mask)  # the version-0 prefix was masked, the rest kept
-    assert all((m == 1) == (v in ("1", "2")) for m, v in zip(mask, versions))
+    head, tail = loop.first, LONG["max_new_tokens"] - loop.first
+    assert mask == [0] * head + [1] * tail  # the version-0 tokens masked, the version-2 ones kept
+    assert versions == [None] * head + ["2"] * tail
     assert torch.tensor(batch.behavior_logprobs[i])[torch.tensor(mask) == 0].abs().sum() == 0
