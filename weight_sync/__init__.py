@@ -28,6 +28,7 @@ from hotswap.weight_sync.receiver import (
     receive_tensors,
 )
 from hotswap.weight_sync.sender import WeightSender
+from hotswap.weight_sync.versions import VersionOrder, newest, next_version, version_key
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -36,6 +37,7 @@ __all__ = [
     "Delta",
     "DeltaTracker",
     "TensorSpec",
+    "VersionOrder",
     "WeightGroup",
     "WeightSender",
     "WeightSyncError",
@@ -47,6 +49,8 @@ __all__ = [
     "get_group",
     "init_process_group",
     "make_specs",
+    "newest",
+    "next_version",
     "plan_buckets",
     "receive_delta",
     "receive_tensors",
@@ -54,4 +58,5 @@ __all__ = [
     "str_to_dtype",
     "unflatten",
     "update_in_process",
+    "version_key",
 ]
