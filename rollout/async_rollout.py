@@ -14,10 +14,10 @@ requests continue across the weight update; tokens keep the versions that produc
 with `partial=False`, aborted and their rows sampled again. Nothing is lost: every group started
 is accepted, filtered, dropped with a reason, or still waiting/running (`accounting()`).
 
-A lag is counted in versions, in the one order of version labels (weight_sync/versions.py: digit
-runs compare as numbers, "step-9" < "step-10"), over the versions the client has seen; the runner
-reads the engine's version at every admission check and hand-out, so it sees every version a
-trainer pushes between two batches unless several land within one 50 ms poll.
+Versions are any labels, in the one order of weight_sync/versions.py (digit runs compare as
+numbers: "step-9" < "step-10"), and a lag counts pushes: the difference of two labels' numbers
+where they differ only there, else the versions the client saw in between. The runner reads the
+engine's version at every admission check (every 50 ms) and hand-out.
 """
 
 from __future__ import annotations

@@ -405,9 +405,10 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
 def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, trainer: Trainer,
                    handle: EngineHandle, client: TokenClient) -> dict[str, Any]:
     label = client.weight_version()
-    # The version as a number to plot: how many versions the client saw before it (the job's
-    # own labels "0", "1", ...: the label's number).
-    metrics: dict[str, Any] = {"weight_version": client.versions.index(label),
+    # A number to plot: the pushes since the oldest version the client saw (the job's own
+    # labels "0", "1", ...: the label's number).
+    metrics: dict[str, Any] = {"weight_version": client.versions.lag(label,
+                                                                     client.versions.labels[0]),
                                **batch_metrics(batch, label, client.versions)}
     if args.task == "tools":
         scores = batch.meta.get("tool_scores")  # every sampled trajectory, kept or filtered

@@ -1,5 +1,6 @@
 """Weight transport: named process groups, flat buckets, a trainer-side sender and an engine-side
-receiver. Transport only: it never imports the engine."""
+receiver, and the one order of weight-version labels (versions.py) that every layer uses.
+Transport only: it never imports the engine."""
 
 from hotswap.weight_sync.bucket import (
     Bucket,

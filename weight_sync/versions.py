@@ -86,11 +86,6 @@ class VersionOrder:
         with self._lock:
             return list(self._labels)
 
-    def index(self, label: str) -> int:
-        """How many versions seen order before `label` (which is seen now if it was not)."""
-        with self._lock:
-            return self._index(label)
-
     def lag(self, newer: str, older: str) -> int:
         """How many pushes `older` is behind `newer` (module docstring; negative when `older`
         orders after `newer`)."""
