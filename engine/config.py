@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -169,6 +169,11 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
 
+def option(default: Any, help: str, choices: tuple[Any, ...] = ()) -> Any:
+    """A config field with what its server flag says (the server has one flag per field)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -179,7 +184,8 @@ class EngineConfig:
     max_running_requests: int = 256
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192
-    schedule_policy: str = "lpm"
+    schedule_policy: str = option("lpm", "admission order: longest prefix match first, or "
+                                  "first come first served", ("lpm", "fcfs"))
     attention_backend: str = "auto"
     enable_prefix_cache: bool = True
     seed: int = 0
@@ -187,60 +193,78 @@ class EngineConfig:
     mem_fraction: float = 0.3
     context_length: int | None = None
     weight_update_timeout_s: float = 300.0
-    # Sessions (open_session): the share of the KV pool their pinned turns may hold together.
-    session_budget_fraction: float = 0.25
-    # Refuse weight updates holding NaN or inf before any write (one extra pass over the data).
-    check_weights_finite: bool = True
+    session_budget_fraction: float = option(
+        0.25, "sessions (open_session): the share of the KV pool their pinned turns may hold "
+        "together")
+    check_weights_finite: bool = option(
+        True, "refuse weight updates holding NaN or inf before any write (one extra pass over "
+        "the data)")
     # Distributed updates: "standby" receives beside the live weights (one extra copy of them,
     # kept) and swaps them in at commit; "none" receives in place (engine/weights/receive.py).
-    weight_staging: str = "standby"
-    # CPU float32: keep a oneDNN-blocked copy of every matmul weight (about 12% faster decode,
-    # twice the weight memory, ~150 ms to rebuild for SmolLM2-135M after weights change).
-    pack_weights: bool = True
-    # Keep a host copy of the weights across release_memory_occupation (SGLang's name): resume
-    # then restores them, so a colocated trainer need not push weights before generating.
-    enable_weights_cpu_backup: bool = False
-    tp_size: int = 1  # checked, and torchrun's environment read, in distributed/launch.py
-    # Expert parallelism (SGLang's name) is not implemented: anything but 1 is refused; tp_size
-    # splits every expert's intermediate dimension instead (docs/moe.md).
-    ep_size: int = 1
-    launcher: str = "spawn"
-    max_lora_rank: int = 64  # the largest LoRA rank an adapter may have
-    max_loras_per_batch: int = 8  # distinct adapters in one step; also the adapter pool's slots
-    # HiCache (engine/kvcache/hiradix_cache.py): evicted prefix pages go to a host tier of
-    # hicache_host_tokens slots (None: hicache_ratio x the device pool) and, with a
-    # hicache_storage_dir, to files that engine processes on one machine share.
-    # hicache_write_policy "write_through" also writes a request's prefix down when the request
-    # leaves the batch, so other processes find it before the device evicts it.
-    enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0
-    hicache_host_tokens: int | None = None
-    hicache_storage_dir: str | None = None
-    hicache_write_policy: str = "write_back"
-    grammar_backend: str = "xgrammar"  # "xgrammar" | "none" (grammar requests refused)
-    # bf16/fp16 models: final norm, lm_head and log-softmax in float32 (logprobs fit for RL; a
-    # float32 copy of the lm_head weight). False: the lm_head runs in the model's dtype.
-    fp32_lm_head: bool = True
-    # "int8": every linear layer but the lm_head as int8 weights x int8 activations, on CPU
-    # (layers/quant.py); the int8 copies are rebuilt inside every weight update.
-    # quantize_lm_head: the lm_head too (faster, larger logprob error).
-    quantization: str | None = None
-    quantize_lm_head: bool = False
-    # MoE models: requests may ask for the experts every token was routed to
-    # (return_routed_experts); each KV slot then also holds its token's routing (docs/moe.md).
-    enable_return_routed_experts: bool = False
-    # Speculative decoding (engine/speculative/): "ngram" drafts from the request's own prompt
-    # and output, "self" from the policy's own first speculative_self_layers layers (None:
-    # calibrated on the first running requests). The target verifies every draft, so tokens,
+    weight_staging: str = option(
+        "standby", "where a distributed update lands unless the call says: standby (one extra "
+        "copy of the weights; a bad tensor is refused before any write) or none (in place; a "
+        "bad tensor stops generation until a complete update)")
+    # About 12% faster decode, ~150 ms to rebuild for SmolLM2-135M after weights change.
+    pack_weights: bool = option(
+        True, "CPU float32: keep a oneDNN-blocked copy of every matmul weight (twice the "
+        "weight memory)")
+    enable_weights_cpu_backup: bool = option(
+        False, "keep a host copy of the weights across release_memory_occupation (SGLang's "
+        "name): resume then restores them, so a colocated trainer need not push weights before "
+        "generating")
+    tp_size: int = option(  # checked, and torchrun's environment read, in distributed/launch.py
+        1, "tensor-parallel ranks (worker processes started by the server; each joins a "
+        "trainer's weight-update group itself)")
+    ep_size: int = option(
+        1, "expert parallelism (SGLang's name) is not implemented: anything but 1 is refused; "
+        "tp_size splits every expert's intermediate dimension instead (docs/moe.md)")
+    launcher: str = option("spawn", "spawn (the engine alone) or torchrun (one engine per rank "
+                           "of a torchrun job)")
+    max_lora_rank: int = option(64, "the largest LoRA rank an adapter may have")
+    max_loras_per_batch: int = option(
+        8, "distinct LoRA adapters in one step; also the adapter pool's slots")
+    # HiCache (engine/kvcache/hiradix_cache.py).
+    enable_hierarchical_cache: bool = option(
+        False, "write evicted prefix KV to a host tier and load it back on a match")
+    hicache_ratio: float = option(2.0, "host tier size as a multiple of the device KV pool")
+    hicache_host_tokens: int | None = option(
+        None, "host tier size in tokens (overrides hicache_ratio)")
+    hicache_storage_dir: str | None = option(
+        None, "folder of prefix KV files shared by engine processes on this machine")
+    hicache_write_policy: str = option(
+        "write_back", "write_through: also write a request's prefix down when it leaves the "
+        "batch, so other processes find it before the device evicts it",
+        ("write_back", "write_through"))
+    grammar_backend: str = option("xgrammar", "none: grammar requests are refused",
+                                  ("xgrammar", "none"))
+    fp32_lm_head: bool = option(
+        True, "bf16/fp16 models: final norm, lm_head and log-softmax in float32 (logprobs fit "
+        "for RL; a float32 copy of the lm_head weight); off: the lm_head runs in the model's "
+        "dtype")
+    # The int8 copies are rebuilt inside every weight update (layers/quant.py).
+    quantization: str | None = option(
+        None, "int8: every linear layer but the lm_head as int8 weights x int8 activations "
+        "(CPU); the trainer keeps sending full-precision weights", ("int8",))
+    quantize_lm_head: bool = option(
+        False, "with quantization int8: the lm_head too (faster, larger logprob error)")
+    # Each KV slot then also holds its token's routing (docs/moe.md).
+    enable_return_routed_experts: bool = option(
+        False, "MoE models: requests may ask for the experts every token was routed to "
+        "(return_routed_experts)")
+    # Speculative decoding (engine/speculative/): the target verifies every draft, so tokens,
     # logprobs and versions are the target's; the draft length of a step follows measured
     # acceptance and step times, up to speculative_num_draft_tokens (0 where it does not pay).
-    speculative: str | None = None
-    speculative_num_draft_tokens: int = 8
-    speculative_self_layers: int | None = None
-    # Prefill/decode roles (docs/fleet.md#prefill-and-decode): "prefill" serves Engine.prefill
-    # only (a prompt's KV and first token, handed off), "decode" serves generate_from_handoff
-    # and generate; "both" (default) serves everything.
-    role: str = "both"
+    speculative: str | None = option(
+        None, "speculative decoding: n-gram drafts from the request's own prompt and output, or "
+        "the policy's own first speculative_self_layers layers", ("ngram", "self"))
+    speculative_num_draft_tokens: int = option(
+        8, "the longest draft of a step (the length is chosen by measurement)")
+    speculative_self_layers: int | None = option(
+        None, "layers of the self-draft (default: calibrated on the first running requests)")
+    role: str = option("both", "prefill/decode disaggregation (docs/fleet.md#prefill-and-decode): "
+                       "prefill serves prompts' KV and first tokens, decode serves handed-off "
+                       "and plain requests", ROLES)
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Resolve every "auto" and validate; returns a new config."""

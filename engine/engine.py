@@ -170,11 +170,7 @@ class Engine(PrefillDecodeRoles, EngineClient):
         self.scheduler.abort(rid, abort_all)
 
     def pause_generation(self, mode: str = "retract") -> dict:
-        out = self.scheduler.pause(check_pause_mode(mode, "mode"))
-        update = self.weights.open_update
-        if update is not None:  # the user's pause outlives the update
-            update.was_paused = True
-        return out
+        return self.weights.pause_generation(check_pause_mode(mode, "mode"))
 
     def continue_generation(self) -> dict:
         """Commits an update that holds generation first (slime pauses, pushes buckets,
@@ -209,9 +205,7 @@ class Engine(PrefillDecodeRoles, EngineClient):
     def _release_memory(self, tags: list[str]) -> dict:
         # Scheduler thread: nothing may be admitted between the scheduler's check and the
         # weights' release.
-        if self.weights.open_update is not None:
-            return {"success": False, "message": "a weight update is open; commit or abort it "
-                    "before releasing memory"}
+        self.weights.check_none_open("releasing memory")
         out = self.scheduler.release_memory(tags)
         if out["success"] and "weights" in tags:
             self.weights.release_weights()

@@ -2,8 +2,9 @@
 
 Admission follows AReaL's staleness rule: a new group starts only while
     accepted + running < (max_staleness + version + 1) x batch_groups
-(accepted counts every group accepted so far, handed out or waiting; version is the engine's
-weight version), so sampling never runs more than `max_staleness` batches ahead of training.
+(accepted counts every group accepted so far, handed out or waiting; version counts the weight
+versions since start()), so sampling never runs more than `max_staleness` batches ahead of
+training.
 When a batch is handed out, each group is checked again: a trajectory with a trainable token
 more than `max_staleness` versions older than the engine's version is dropped (`stale="drop"`,
 the whole group) or has those tokens masked (`stale="mask"`).
@@ -13,7 +14,10 @@ requests continue across the weight update; tokens keep the versions that produc
 with `partial=False`, aborted and their rows sampled again. Nothing is lost: every group started
 is accepted, filtered, dropped with a reason, or still waiting/running (`accounting()`).
 
-Versions are ordered as integers when they are digit strings, else in the order first seen.
+Versions are any labels, in the one order of weight_sync/versions.py (digit runs compare as
+numbers: "step-9" < "step-10"), and a lag counts pushes: the difference of two labels' numbers
+where they differ only there, else the versions the client saw in between. The runner reads the
+engine's version at every admission check (every 50 ms) and hand-out.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class _Group:
     gid: int
     row_index: int
     client: TokenClient
-    started_version: int
+    started_version: str
     carried: int = 0  # hand-outs this group was in flight for
     trajs: list[Trajectory] = field(default_factory=list)
 
@@ -68,7 +72,7 @@ class AsyncRollout:
         self._retry: list[int] = []  # rows whose group was aborted at a hand-out
         self._ids = itertools.count()
         self._rows = itertools.cycle(range(len(self.rows)))
-        self._versions: dict[str, int] = {}
+        self._first_version = ""  # the engine's at start(): admission counts versions from it
         self._scored: list[float] = []  # rewards of every group scored since the last hand-out
         self.counts: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
@@ -82,6 +86,7 @@ class AsyncRollout:
         if self._thread is not None:
             raise RuntimeError("AsyncRollout already started")
         self._pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="async-rollout")
+        self._first_version = self.client.weight_version()
         self._thread = threading.Thread(target=self._admit_loop, name="async-admit",
                                         daemon=True)
         self._thread.start()
@@ -117,13 +122,15 @@ class AsyncRollout:
 
     def _can_admit(self) -> bool:
         accepted = self.counts["accepted"] + len(self._ready)
-        capacity = (self.max_staleness + self._engine_version() + 1) * self.batch_groups
+        updates = self.client.versions.lag(self.client.weight_version(), self._first_version)
+        capacity = (self.max_staleness + updates + 1) * self.batch_groups
         return (not self._stop.is_set() and len(self._running) < self.max_concurrent
                 and accepted + len(self._running) < capacity)
 
     def _launch(self) -> None:
         row_index = self._retry.pop(0) if self._retry else next(self._rows)
-        group = _Group(next(self._ids), row_index, self.client.sibling(), self._engine_version())
+        group = _Group(next(self._ids), row_index, self.client.sibling(),
+                       self.client.weight_version())
         self._running[group.gid] = group
         self.counts["started"] += 1
         assert self._pool is not None
@@ -167,7 +174,7 @@ class AsyncRollout:
         start = time.perf_counter()
         with self._cond:
             while True:
-                version = self._engine_version()
+                version = self.client.weight_version()
                 self._check_ready(version)
                 if len(self._ready) >= self.batch_groups:
                     break
@@ -188,12 +195,12 @@ class AsyncRollout:
         batch.meta["scored_rewards"] = scored
         return batch
 
-    def _check_ready(self, version: int) -> None:
+    def _check_ready(self, version: str) -> None:
         keep = []
         for group in self._ready:
-            oldest = min((self._order(v) for t in group.trajs for v in t.trainable_versions()),
-                         default=version)
-            if version - oldest <= self.max_staleness:
+            lags = self.client.versions.lags(
+                version, [v for t in group.trajs for v in t.trainable_versions()])
+            if max(lags, default=0) <= self.max_staleness:
                 keep.append(group)
             elif self.stale == "mask":
                 for t in group.trajs:
@@ -204,9 +211,10 @@ class AsyncRollout:
                 self.dropped["stale"] += 1
         self._ready = keep
 
-    def _mask_stale(self, traj: Trajectory, version: int) -> None:
-        for i, v in enumerate(traj.versions):
-            if v is not None and version - self._order(v) > self.max_staleness:
+    def _mask_stale(self, traj: Trajectory, version: str) -> None:
+        lags = self.client.versions.lags(version, [v or version for v in traj.versions])
+        for i, (v, lag) in enumerate(zip(traj.versions, lags)):
+            if v is not None and lag > self.max_staleness:
                 traj.loss_mask[i], traj.logprobs[i], traj.versions[i] = 0, 0.0, None
 
     def _handle_unfinished(self) -> None:
@@ -220,11 +228,12 @@ class AsyncRollout:
             self._retry.append(group.row_index)
             group.client.abort_inflight()
 
-    def _to_batch(self, groups: list[_Group], version: int, wait_s: float) -> RolloutBatch:
+    def _to_batch(self, groups: list[_Group], version: str, wait_s: float) -> RolloutBatch:
         trajs = [t for g in groups for t in g.trajs]
         advantages = grpo_advantages([t.reward for t in trajs], [t.group_id for t in trajs],
                                      self.scale)
-        lags = [version - self._order(v) for t in trajs for v in t.trainable_versions()]
+        lags = self.client.versions.lags(version, [v for t in trajs
+                                                   for v in t.trainable_versions()])
         meta = {"weight_version": version, "seconds": wait_s,
                 "sampling": dict(self.client.sampling),
                 "staleness": {"max_lag": max(lags, default=0),
@@ -241,11 +250,3 @@ class AsyncRollout:
                     "filtered": self.counts["filtered"], "dropped": dict(self.dropped),
                     "carried": self.counts["carried"], "ready": len(self._ready),
                     "running": len(self._running)}
-
-    def _engine_version(self) -> int:
-        return self._order(self.client.weight_version())
-
-    def _order(self, version: str) -> int:
-        if version.isdigit():
-            return int(version)
-        return self._versions.setdefault(version, len(self._versions))

@@ -1,9 +1,10 @@
 """TokenClient: token ids in, token ids out, always with logprobs and one weight version per token.
 
 Works over an in-process `Engine` or a `RemoteEngine` (anything with the Engine's `generate`).
-A sample that comes back aborted because someone paused generation for a weight update is
-resubmitted from prompt + tokens so far with the remaining budget (as AReaL does); the tokens it
-already has keep the versions that produced them.
+A sample that comes back aborted because someone paused generation for a weight update
+(finish_reason["reason"] == "paused") is resubmitted from prompt + tokens so far with the
+remaining budget (as AReaL does); the tokens it already has keep the versions that produced them.
+The client records every version it sees (`versions`), the order lags are counted in.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from hotswap.rollout.trajectory import extend_routes
+from hotswap.weight_sync.versions import VersionOrder
 
-# Aborts that mean "a weight update interrupted you", not "you were cancelled".
-_RESUBMIT_MARKERS = ("generation paused",)
+# Abort reasons (the engine's ABORT_REASONS) that mean "a pause or a weight update interrupted
+# you", not "you were cancelled".
+RESUBMIT_REASONS = ("paused",)
 
 
 @dataclass
@@ -76,13 +79,14 @@ class TokenClient:
         self._rids = itertools.count()
         self._prefix = f"tc{id(self):x}"
         self.inflight: set[str] = set()
+        self.versions = VersionOrder()  # every version this client (and its siblings) saw
 
     def sibling(self) -> TokenClient:
         """A client on the same backend, sampling, tokenizer and stats, cancelled on its own."""
         tokenizer = self.tokenizer if isinstance(self._tokenizer, str) else self._tokenizer
         other = TokenClient(self.backend, self.sampling, tokenizer, self.max_resubmits,
                             self.routed_experts)
-        other.stats, other._lock = self.stats, self._lock
+        other.stats, other._lock, other.versions = self.stats, self._lock, self.versions
         return other
 
     @property
@@ -98,7 +102,10 @@ class TokenClient:
         return self._tokenizer
 
     def weight_version(self) -> str:
-        return str(self.backend.get_weight_version())
+        """The engine's version now (recorded in `versions`)."""
+        version = str(self.backend.get_weight_version())
+        self.versions.served(version)
+        return version
 
     def encode_row(self, row: dict) -> list[int]:
         """A row's prompt as ids: `input_ids`, `messages` (chat template) or `prompt` text."""
@@ -128,7 +135,8 @@ class TokenClient:
         per_prompt = [params] * len(prompts) if seeds is None else [
             {**params, "seed": seed} for seed in seeds]
         if self.cancelled.is_set():  # the rollout was called off before this request went out
-            return [Completion([], [], [], {"type": "abort", "message": "cancelled by the rollout"})
+            return [Completion([], [], [], {"type": "abort", "reason": "user",
+                                            "message": "cancelled by the rollout"})
                     for _ in range(len(prompts) * n)]
         outs = self._call([list(p) for p in prompts], params if seeds is None else per_prompt,
                           session_id)
@@ -168,8 +176,9 @@ class TokenClient:
         logprobs = [float(lp) for lp, _ in meta.get("output_token_logprobs", [])]
         if len(logprobs) != len(ids):
             raise RuntimeError("the engine returned no logprob for some generated token")
-        return Completion(ids, logprobs, versions_per_token(meta["weight_versions"], len(ids)),
-                          dict(meta["finish_reason"] or {"type": "abort"}),
+        versions = versions_per_token(meta["weight_versions"], len(ids))
+        self.versions.see(*{v for v in versions if v is not None})
+        return Completion(ids, logprobs, versions, dict(meta["finish_reason"] or {"type": "abort"}),
                           cached_tokens=int(meta.get("cached_tokens", 0)), text=out["text"],
                           routed_experts=meta.get("routed_experts"),
                           spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
@@ -198,10 +207,9 @@ class TokenClient:
         return comp
 
     def _should_resubmit(self, comp: Completion) -> bool:
-        message = comp.finish_reason.get("message") or ""
         return (comp.finish_type == "abort" and not self.cancelled.is_set()
                 and comp.resubmits < self.max_resubmits
-                and any(m in message for m in _RESUBMIT_MARKERS))
+                and comp.finish_reason.get("reason") in RESUBMIT_REASONS)
 
     def _count(self, requests: int, prompts: list[list[int]], n: int,
                comps: list[Completion]) -> None:

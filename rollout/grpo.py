@@ -53,6 +53,7 @@ from hotswap.rollout.tracking import Tracker, batch_metrics, is_terminal, tool_m
 from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
 from hotswap.weight_sync.group import free_port
+from hotswap.weight_sync.versions import version_key
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -345,7 +346,7 @@ def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
     rows = []
     for traj in batch.trajectories[:count]:
         prompt = traj.row["messages"][-1]["content"] if "messages" in traj.row else ""
-        versions = ",".join(sorted({v for v in traj.versions if v is not None}))
+        versions = ",".join(sorted({v for v in traj.versions if v is not None}, key=version_key))
         rows.append((prompt, tokenizer.decode(traj.response_ids, skip_special_tokens=True),
                      float(traj.reward), versions))
     return rows
@@ -411,8 +412,12 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
 
 def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, trainer: Trainer,
                    handle: EngineHandle, client: TokenClient) -> dict[str, Any]:
-    version = int(client.weight_version())
-    metrics: dict[str, Any] = {"weight_version": version, **batch_metrics(batch, version)}
+    label = client.weight_version()
+    # A number to plot: the pushes since the oldest version the client saw (the job's own
+    # labels "0", "1", ...: the label's number).
+    metrics: dict[str, Any] = {"weight_version": client.versions.lag(label,
+                                                                     client.versions.labels[0]),
+                               **batch_metrics(batch, label, client.versions)}
     if args.task == "tools":
         scores = batch.meta.get("tool_scores")  # every sampled trajectory, kept or filtered
         metrics.update(tool_metrics(scores if scores is not None else

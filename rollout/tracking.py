@@ -15,6 +15,7 @@ import sys
 from typing import Any, TextIO
 
 from hotswap.rollout.trajectory import RolloutBatch
+from hotswap.weight_sync.versions import VersionOrder
 
 METRICS_FILE = "metrics.jsonl"  # in the run's folder: one JSON row per step
 
@@ -156,8 +157,11 @@ def _fmt(value: Any, width: int, spec: str) -> str:
         return f"{value!s:>{width}}"
 
 
-def batch_metrics(batch: RolloutBatch, engine_version: int | None = None) -> dict[str, float]:
-    """Reward, length, cache and staleness figures of one batch."""
+def batch_metrics(batch: RolloutBatch, engine_version: str | None = None,
+                  versions: VersionOrder | None = None) -> dict[str, float]:
+    """Reward, length, cache and staleness figures of one batch. Staleness: how many versions
+    each token's is behind `engine_version`, counted over `versions` (a TokenClient's, which
+    saw every version served) or else over the batch's own versions."""
     rewards = [r for r in batch.rewards if not math.isnan(r)]
     mean = sum(rewards) / len(rewards) if rewards else math.nan
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else math.nan
@@ -170,11 +174,11 @@ def batch_metrics(batch: RolloutBatch, engine_version: int | None = None) -> dic
     scored = [r for r in batch.meta.get("scored_rewards", []) if not math.isnan(r)]
     if scored:  # every group sampled this step, before the filter kept some
         out["reward/sampled_mean"] = sum(scored) / len(scored)
-    versions = [int(v) for row in batch.weight_versions for v in row
-                if v is not None and str(v).isdigit()]
-    if engine_version is not None and versions:
-        out["staleness/version_lag_max"] = float(engine_version - min(versions))
-        out["staleness/version_lag_mean"] = engine_version - sum(versions) / len(versions)
+    labels = [v for row in batch.weight_versions for v in row if v is not None]
+    if engine_version is not None and labels:
+        lags = (versions or VersionOrder()).lags(engine_version, labels)
+        out["staleness/version_lag_max"] = float(max(lags))
+        out["staleness/version_lag_mean"] = sum(lags) / len(lags)
     stats = batch.meta.get("client_stats")
     if stats and stats.get("prompt_tokens"):
         out["rollout/cache_hit_rate"] = stats["cached_tokens"] / stats["prompt_tokens"]

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hotswap.weight_sync.versions import VersionOrder
+
 
 def extend_routes(kept: np.ndarray | None, routes: np.ndarray | None) -> np.ndarray | None:
     """Routes of a longer request over the same tokens: the positions already recorded keep
@@ -128,10 +130,11 @@ class RolloutBatch:
     def to_tensors(self, pad_id: int) -> dict[str, torch.Tensor]:
         """Prompts left-padded, responses right-padded; `attention_mask` covers [prompt|response].
 
-        `weight_versions` become ints where they parse as ints (else their rank among the batch's
-        versions), -1 where no version (masked or padding). With routed experts: `routed_experts`
-        [rows, prompt + response columns, moe_layers, top_k], aligned with [prompt|response],
-        -1 where none was recorded (padding, the last token), as replay_routes takes them.
+        `weight_versions` become how many versions each is after the batch's oldest (its lag,
+        weight_sync/versions.py: "step-9", "step-10" -> 0, 1), -1 where no version (masked or
+        padding). With routed experts: `routed_experts` [rows, prompt + response columns,
+        moe_layers, top_k], aligned with [prompt|response], -1 where none was recorded
+        (padding, the last token), as replay_routes takes them.
         """
         n = len(self)
         p_len = max((len(p) for p in self.prompt_ids), default=0)
@@ -143,7 +146,8 @@ class RolloutBatch:
         loss = torch.zeros((n, r_len), dtype=torch.float32)
         logp = torch.zeros((n, r_len), dtype=torch.float32)
         vers = torch.full((n, r_len), -1, dtype=torch.long)
-        codes = _version_codes(self.weight_versions)
+        codes = _version_codes([v for row in self.weight_versions for v in row
+                                if v is not None])
         for i in range(n):
             p, r = self.prompt_ids[i], self.response_ids[i]
             if p:
@@ -183,9 +187,8 @@ class RolloutBatch:
         return routes
 
 
-def _version_codes(versions: list[list[str | None]]) -> dict[str | None, int]:
-    names = sorted({v for row in versions for v in row if v is not None},
-                   key=lambda v: (not v.isdigit(), int(v) if v.isdigit() else 0, v))
-    if all(v.isdigit() for v in names):
-        return {v: int(v) for v in names}
-    return {v: i for i, v in enumerate(names)}
+def _version_codes(labels: list[str]) -> dict[str | None, int]:
+    """Each version's lag behind the oldest of `labels`."""
+    order = VersionOrder(labels)
+    distinct = order.labels
+    return {v: order.lag(v, distinct[0]) for v in distinct} if distinct else {}

@@ -32,10 +32,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     f"{E}.scheduler": (*_BASE, f"{E}.kvcache", *_EXECUTOR_SIDE, f"{E}.scheduler"),
     f"{E}.weights": (*_BASE, f"{E}.kvcache", *_EXECUTOR_SIDE, f"{E}.weights",
                      "hotswap.weight_sync"),
-    # The server talks to the Engine API only (the Engine object it is handed, public errors),
-    # and reads chat through the parsers, which stand on nothing else of the engine.
-    f"{E}.server": (f"{E}.server", f"{E}.errors", f"{E}.Engine", f"{E}.client", f"{E}.parsers",
-                    "hotswap.weight_sync.serialize"),
+    # The server talks to the Engine API only (the Engine object it is handed, public errors,
+    # the config whose fields are its flags), and reads chat through the parsers, which stand
+    # on nothing else of the engine.
+    f"{E}.server": (f"{E}.server", f"{E}.errors", f"{E}.Engine", f"{E}.config", f"{E}.client",
+                    f"{E}.parsers", "hotswap.weight_sync.serialize"),
     f"{E}.parsers": (f"{E}.parsers",),
     f"{E}.client": (f"{E}.client", f"{E}.errors", "hotswap.weight_sync"),
     f"{E}.client.protocol": (f"{E}.client.request",),

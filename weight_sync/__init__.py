@@ -1,5 +1,6 @@
 """Weight transport: named process groups, flat buckets, a trainer-side sender and an engine-side
-receiver. Transport only: it never imports the engine."""
+receiver, and the one order of weight-version labels (versions.py) that every layer uses.
+Transport only: it never imports the engine."""
 
 from hotswap.weight_sync.bucket import (
     Bucket,
@@ -28,6 +29,7 @@ from hotswap.weight_sync.receiver import (
     receive_tensors,
 )
 from hotswap.weight_sync.sender import WeightSender
+from hotswap.weight_sync.versions import VersionOrder, newest, next_version, version_key
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -36,6 +38,7 @@ __all__ = [
     "Delta",
     "DeltaTracker",
     "TensorSpec",
+    "VersionOrder",
     "WeightGroup",
     "WeightSender",
     "WeightSyncError",
@@ -47,6 +50,8 @@ __all__ = [
     "get_group",
     "init_process_group",
     "make_specs",
+    "newest",
+    "next_version",
     "plan_buckets",
     "receive_delta",
     "receive_tensors",
@@ -54,4 +59,5 @@ __all__ = [
     "str_to_dtype",
     "unflatten",
     "update_in_process",
+    "version_key",
 ]

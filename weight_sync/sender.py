@@ -36,6 +36,7 @@ from hotswap.weight_sync.group import (
     resolve_backend,
 )
 from hotswap.weight_sync.receiver import check_load_format
+from hotswap.weight_sync.versions import newest
 
 logger = logging.getLogger("hotswap.weight_sync")
 
@@ -424,10 +425,9 @@ def _check_two_phase(targets: list[Any]) -> None:
 
 
 def agreed_version(replies: list[dict]) -> str:
-    """One version for every target of an update sent with weight_version=None: the highest
-    that any target proposed (numeric proposals compare as numbers)."""
-    proposed = [str(r.get("weight_version")) for r in replies]
-    return max(proposed, key=lambda v: (v.isdigit(), int(v) if v.isdigit() else 0, v))
+    """One version for every target of an update sent with weight_version=None: the newest
+    that any target proposed, in the one order of versions (versions.py)."""
+    return newest(str(r.get("weight_version")) for r in replies)
 
 
 def _abort_all(targets: list[Any], timeout_s: float) -> dict[str, str]:

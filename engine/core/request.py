@@ -25,14 +25,41 @@ class PrefixLock(Protocol):
     lock_ref: int
 
 
+# Why a request was aborted: finish_reason["reason"] (docs/api.md#outputs). Clients act on
+# these (TokenClient resubmits "paused" samples), never on the message, which is for people.
+ABORT_REASONS = (
+    "user",  # abort_request, or its client left
+    "paused",  # a pause or a weight update with mode "abort": the tokens are sound, resubmit
+    "adapter_replaced",  # its LoRA adapter was replaced under pause mode "abort"
+    "adapter_unloaded",  # its LoRA adapter was unloaded
+    "relabelled",  # update_weight_version(abort_all_requests=True)
+    "update_failed",  # a weight update failed after writing: the weights are incomplete
+    "grammar",  # its grammar did not compile, or refused every token
+    "non_finite",  # the model produced NaN or inf logits
+    "undelivered",  # its output could not be delivered (the consumer is gone)
+    "error",  # an internal error in the step that ran it
+    "shutdown",  # the engine shut down
+)
+
+
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
     message: str | None = None
+    reason: str | None = None  # an abort's: one of ABORT_REASONS
+
+    @classmethod
+    def aborted(cls, reason: str, message: str) -> FinishReason:
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"abort reason {reason!r} is not one of {ABORT_REASONS}")
+        return cls("abort", message=message, reason=reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "matched": self.matched, "message": self.message}
+        out = {"type": self.type, "matched": self.matched, "message": self.message}
+        if self.type == "abort":
+            out["reason"] = self.reason
+        return out
 
 
 @dataclass

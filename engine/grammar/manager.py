@@ -203,7 +203,7 @@ class GrammarManager:
         terminated = req.grammar.matcher.is_terminated()
         self.stats["critical_s"] += time.perf_counter() - start
         if not ok:
-            return FinishReason("abort", message=f"token {token} is not allowed by the grammar")
+            return FinishReason.aborted("grammar", f"token {token} is not allowed by the grammar")
         return FinishReason("stop", matched=token) if terminated else None
 
 

@@ -133,7 +133,8 @@ class LoRAManager:
     def _commit(self, adapter: LoRAAdapter, pause_mode: str) -> dict:
         sched, name = self.scheduler, adapter.name
         if pause_mode == "abort":
-            reason = FinishReason("abort", message=f"aborted: LoRA adapter {name!r} was replaced")
+            reason = FinishReason.aborted("adapter_replaced",
+                                          f"aborted: LoRA adapter {name!r} was replaced")
             sched.finish_where(_uses(name), reason, queued=False)
         elif pause_mode == "retract":
             sched.retract_where(_uses(name))
@@ -148,7 +149,8 @@ class LoRAManager:
 
     def _unload_now(self, name: str) -> dict:
         self.check_name(name)
-        reason = FinishReason("abort", message=f"aborted: LoRA adapter {name!r} was unloaded")
+        reason = FinishReason.aborted("adapter_unloaded",
+                                      f"aborted: LoRA adapter {name!r} was unloaded")
         self.scheduler.finish_where(_uses(name), reason)
         del self.adapters[name]
         self.pool.evict(name)

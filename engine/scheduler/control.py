@@ -138,7 +138,8 @@ class SchedulerControl:
     def apply_pause_mode(self, mode: str) -> None:
         """What a pause or a weight update does to running requests (docs/api.md#pause-modes)."""
         if mode == "abort":
-            self.run(lambda: self.abort_running(f"aborted: generation paused (mode {mode})"))
+            self.run(lambda: self.abort_running(FinishReason.aborted(
+                "paused", f"aborted: generation paused (mode {mode})")))
         elif mode == "retract":
             self.run(self.retract_all)
 
@@ -189,10 +190,10 @@ class SchedulerControl:
 
         self.run(on_thread)
 
-    def abort_all(self, message: str) -> None:
+    def abort_all(self, reason: FinishReason) -> None:
         def on_thread() -> None:
-            self.abort_running(message)
-            self.abort_waiting(message)
+            self.abort_running(reason)
+            self.abort_waiting(reason)
 
         self.run(on_thread)
 

@@ -153,9 +153,9 @@ class Scheduler(SchedulerControl, StepOutputs):
             idle_wait = None if self._guarded_step() else 0.01
             if not self.running and not self.waiting:
                 self._idle_check()
-        message = "aborted: the engine shut down"
-        self.abort_running(message)
-        self.abort_waiting(message)
+        reason = FinishReason.aborted("shutdown", "aborted: the engine shut down")
+        self.abort_running(reason)
+        self.abort_waiting(reason)
 
     def _guarded_step(self) -> bool:
         try:
@@ -164,7 +164,8 @@ class Scheduler(SchedulerControl, StepOutputs):
             logger.error("step failed: %s", traceback.format_exc())
             for req in self.running:  # this step's KV writes may be partial: not cached
                 self.kv.release(req, cache=False)
-            self.abort_running(f"internal error in forward step: {exc!r}")
+            self.abort_running(FinishReason.aborted("error",
+                                                    f"internal error in forward step: {exc!r}"))
             return True
 
     def _idle_check(self) -> None:
@@ -205,7 +206,7 @@ class Scheduler(SchedulerControl, StepOutputs):
                     self.finish(req, FinishReason("length"))
                     continue
                 if req.lora_name is not None and not self.lora.has(req.lora_name):
-                    self.finish(req, FinishReason("abort", message=(
+                    self.finish(req, FinishReason.aborted("adapter_unloaded", (
                         f"aborted: LoRA adapter {req.lora_name!r} was unloaded")))
                     continue
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
@@ -270,7 +271,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         for req in ready:
             error = req.grammar.error()
             if error is not None:
-                self.finish(req, FinishReason("abort", message=error))
+                self.finish(req, FinishReason.aborted("grammar", error))
             else:
                 self._enqueue(req)
 
@@ -278,7 +279,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         def hit(req: Req) -> bool:
             return abort_all or req.rid == rid or req.rid.startswith(f"{rid}-")
 
-        self._finish_where_now(hit, FinishReason("abort", message="aborted by request"), True)
+        self._finish_where_now(hit, FinishReason.aborted("user", "aborted by request"), True)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         """End `req`: free its KV (cached when still valid) and deliver its final output."""
@@ -309,16 +310,16 @@ class Scheduler(SchedulerControl, StepOutputs):
         req.kv_export = Exported(req.namespace, list(req.prompt_ids), self.config.page_size,
                                  kv, routes, time.perf_counter() - start)
 
-    def abort_running(self, message: str) -> None:
+    def abort_running(self, reason: FinishReason) -> None:
         for req in list(self.running):
-            self.finish(req, FinishReason("abort", message=message))
+            self.finish(req, reason)
 
-    def abort_waiting(self, message: str) -> None:
+    def abort_waiting(self, reason: FinishReason) -> None:
         waiting = self.waiting + [r for forks in self.forks.values() for r in forks]
         waiting += self.grammar_queue
         self.waiting, self.forks, self.grammar_queue = [], {}, []
         for req in waiting:
-            self.finish(req, FinishReason("abort", message=message))
+            self.finish(req, reason)
 
     def retract(self, req: Req) -> None:
         """Drop `req`'s KV and queue it (first) to be recomputed from prompt + output so far."""

@@ -118,8 +118,8 @@ class StepOutputs:
         if reason is not None:
             self.finish(req, reason)
         elif req.stream and not self.outputs.emit(req):
-            self.finish(req, FinishReason("abort", message="its output could not be "
-                                          "delivered (the consumer is gone)"))
+            self.finish(req, FinishReason.aborted("undelivered", "its output could not be "
+                                                  "delivered (the consumer is gone)"))
 
     def _fail_non_finite(self, rows: list[BatchRow], logits: torch.Tensor, version: str
                          ) -> tuple[list[BatchRow], torch.Tensor]:
@@ -139,7 +139,7 @@ class StepOutputs:
                 keep.extend(span)
             else:
                 self.kv.release(row.req, cache=False)
-                self.finish(row.req, FinishReason("abort", message=message))
+                self.finish(row.req, FinishReason.aborted("non_finite", message))
         return kept_rows, logits[keep]
 
     @staticmethod

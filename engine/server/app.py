@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import time
+import typing
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -28,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from hotswap.engine.client.protocol import STAGING_MODES
+from hotswap.engine.config import EngineConfig
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 from hotswap.engine.server.control_api import control, lora_routes, memory_routes
@@ -279,98 +282,48 @@ def build_parser() -> argparse.ArgumentParser:
                         "template knows <think>, else none)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="info")
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--max-total-tokens", type=int, default=None)
-    e.add_argument("--page-size", type=int, default=1)
-    e.add_argument("--max-running-requests", type=int, default=256)
-    e.add_argument("--chunked-prefill-size", type=int, default=2048)
-    e.add_argument("--max-prefill-tokens", type=int, default=8192)
-    e.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
-    e.add_argument("--attention-backend", default="auto")
-    e.add_argument("--disable-prefix-cache", action="store_true")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--deterministic", action="store_true")
-    e.add_argument("--speculative", default=None, choices=["ngram", "self"],
-                   help="speculative decoding: n-gram drafts or the policy's own first layers")
-    e.add_argument("--speculative-num-draft-tokens", type=int, default=8,
-                   help="the longest draft of a step (the length is chosen by measurement)")
-    e.add_argument("--speculative-self-layers", type=int, default=None,
-                   help="layers of the self-draft (default: calibrated)")
-    e.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                   help="prefill/decode disaggregation (docs/fleet.md#prefill-and-decode)")
-    e.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel ranks (worker processes started by the server; each "
-                        "joins a trainer's weight-update group itself)")
-    e.add_argument("--mem-fraction", type=float, default=0.3)
-    e.add_argument("--context-length", type=int, default=None)
-    e.add_argument("--weight-update-timeout-s", type=float, default=300.0)
-    e.add_argument("--no-pack-weights", action="store_true",
-                   help="CPU float32: no oneDNN-blocked weight copies (half the weight memory)")
-    e.add_argument("--enable-weights-cpu-backup", action="store_true",
-                   help="keep a host copy of the weights across release_memory_occupation")
-    e.add_argument("--no-check-weights-finite", action="store_true",
-                   help="skip the NaN/inf check of weight updates (saves one pass over the data)")
-    e.add_argument("--weight-staging", default="standby", choices=STAGING_MODES,
-                   help="where a distributed update lands unless the call says: standby (one "
-                        "extra copy of the weights; a bad tensor is refused before any write) "
-                        "or none (in place; a bad tensor stops generation until a complete "
-                        "update)")
-    e.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: linear layers as int8 weights x int8 activations (CPU); the "
-                        "trainer keeps sending full-precision weights, re-quantized per update")
-    e.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization int8: the lm_head too (faster, larger logprob error)")
-    e.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="MoE models: requests may ask for the experts each token was routed "
-                        "to (return_routed_experts; base64 arrays in meta_info)")
-    add_hicache_args(p)
+    add_engine_args(p.add_argument_group("engine", "EngineConfig's fields, one flag each"))
     return p
 
 
-def add_hicache_args(p: argparse.ArgumentParser) -> None:
-    h = p.add_argument_group("hierarchical KV cache (HiCache)")
-    h.add_argument("--enable-hierarchical-cache", action="store_true",
-                   help="write evicted prefix KV to a host tier and load it back on a match")
-    h.add_argument("--hicache-ratio", type=float, default=2.0,
-                   help="host tier size as a multiple of the device KV pool")
-    h.add_argument("--hicache-host-tokens", type=int, default=None,
-                   help="host tier size in tokens (overrides --hicache-ratio)")
-    h.add_argument("--hicache-storage-dir", default=None,
-                   help="folder of prefix KV files shared by engine processes on this machine")
-    h.add_argument("--hicache-write-policy", default="write_back",
-                   choices=["write_back", "write_through"],
-                   help="write_through: also write a request's prefix down when it leaves the "
-                        "batch, not only when the device evicts it")
+# Choices the config does not state itself (they live beside the code that checks them).
+_CHOICES = {"weight_staging": STAGING_MODES}
+
+
+def add_engine_args(group: argparse._ArgumentGroup) -> None:
+    """One flag per EngineConfig field but model_path: `--page-size` for page_size, with its
+    type, default, help and choices; a bool as `--name` / `--no-name`."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model_path":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        text = f.metadata.get("help")
+        kind = _flag_type(f.name, hints[f.name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=text)
+            continue
+        choices = f.metadata.get("choices") or _CHOICES.get(f.name)
+        group.add_argument(flag, type=kind, default=f.default, help=text,
+                           choices=list(choices) if choices else None)
+    # The server's spelling before its flags came from the config.
+    group.add_argument("--disable-prefix-cache", dest="enable_prefix_cache",
+                       action="store_false", help="the same as --no-enable-prefix-cache")
+
+
+def _flag_type(name: str, hint: Any) -> type:
+    """str, int, float or bool, from `T` or `T | None`."""
+    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in (str, int, float, bool):
+        raise TypeError(f"EngineConfig.{name}: a {hint} field has no server flag; give it "
+                        "one in engine/server/app.py")
+    return kinds[0]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model_path=args.model_path, dtype=args.dtype, device=args.device,
-                max_total_tokens=args.max_total_tokens, page_size=args.page_size,
-                max_running_requests=args.max_running_requests,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_prefill_tokens=args.max_prefill_tokens,
-                schedule_policy=args.schedule_policy, attention_backend=args.attention_backend,
-                enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
-                deterministic=args.deterministic, tp_size=args.tp_size,
-                speculative=args.speculative,
-                speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-                speculative_self_layers=args.speculative_self_layers,
-                mem_fraction=args.mem_fraction,
-                context_length=args.context_length,
-                weight_update_timeout_s=args.weight_update_timeout_s,
-                pack_weights=not args.no_pack_weights,
-                enable_weights_cpu_backup=args.enable_weights_cpu_backup,
-                check_weights_finite=not args.no_check_weights_finite,
-                weight_staging=args.weight_staging,
-                enable_hierarchical_cache=args.enable_hierarchical_cache,
-                hicache_ratio=args.hicache_ratio, hicache_host_tokens=args.hicache_host_tokens,
-                hicache_storage_dir=args.hicache_storage_dir,
-                hicache_write_policy=args.hicache_write_policy,
-                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                enable_return_routed_experts=args.enable_return_routed_experts,
-                role=args.role)
+    """The Engine's keyword arguments: every EngineConfig field from its flag."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def _log_exposure(host: str, api_key: str | None, admin_key: str | None) -> None:

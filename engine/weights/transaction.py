@@ -24,7 +24,6 @@ hands its work to that thread.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hotswap.engine.core.namespace import ServingVersion
+from hotswap.engine.core.request import FinishReason
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.weights.receive import Stages
+from hotswap.weight_sync.versions import next_version
 
 if TYPE_CHECKING:
     from hotswap.engine.executor.model_runner import ModelRunner
@@ -95,7 +96,6 @@ class Transactions:
         self.incomplete: str | None = None  # why the weights are partly overwritten
         self.damaged: set[str] = set()
         self.last_update_s: float | None = None
-        self._auto = itertools.count(1)
         self._timeout_s = runner.config.weight_update_timeout_s
         self._timer: threading.Timer | None = None
 
@@ -109,6 +109,14 @@ class Transactions:
         if self.open is not None:
             raise ValueError(f"a weight update is open ({self.open.describe()}); commit or "
                              f"abort it before {what}")
+
+    def pause_generation(self, mode: str) -> dict:
+        """The user's pause: it outlives an open update, which restores it instead of lifting
+        it at its end (was_paused, written here on the scheduler thread)."""
+        out = self.scheduler.pause(mode)
+        if self.open is not None:
+            self.open.was_paused = True
+        return out
 
     # receive
 
@@ -243,7 +251,7 @@ class Transactions:
         self.runner.weights_changed()  # whatever was written, derived copies are stale
         self.damaged |= txn.written
         self.incomplete = why
-        self.scheduler.abort_all(why)
+        self.scheduler.abort_all(FinishReason.aborted("update_failed", why))
         self._close(txn)
         return {"success": False, "message": why, "weight_version": self.serving.label}
 
@@ -276,14 +284,13 @@ class Transactions:
             self.incomplete = None
 
     def _next_version(self, requested: str | None) -> str:
-        """Two updates committed one after the other never share one."""
-        if requested is not None:
-            return requested
-        return str(max(next(self._auto), _as_int(self.serving.label) + 1))
+        return requested if requested is not None else self.proposed_version()
 
     def proposed_version(self) -> str:
-        """The version a commit with weight_version=None would get now (not reserved)."""
-        return str(_as_int(self.serving.label) + 1)
+        """The version a commit with weight_version=None would get now (not reserved): one
+        that orders after the serving one (weight_sync/versions.py), so two such commits in a
+        row never share one."""
+        return next_version(self.serving.label)
 
     # expiry
 
@@ -306,6 +313,3 @@ class Transactions:
         with contextlib.suppress(Exception):  # the engine shut down meanwhile: nothing is open
             self.scheduler.run(on_thread)
 
-
-def _as_int(version: str) -> int:
-    return int(version) if version.isdigit() else 0

@@ -22,6 +22,7 @@ import torch
 
 from hotswap.engine.client.protocol import check_pause_mode, check_staging
 from hotswap.engine.core.namespace import ServingVersion
+from hotswap.engine.core.request import FinishReason
 from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.models.loader import (
     check_finite,
@@ -90,6 +91,15 @@ class WeightManager:
 
     def check_servable(self) -> None:
         self.transactions.check_servable()
+
+    def check_none_open(self, what: str) -> None:
+        """ValueError while an update is open (`what` names the refused call)."""
+        self.transactions.check_none_open(what)
+
+    def pause_generation(self, mode: str) -> dict:
+        """The user's pause, on the scheduler thread: an open update then leaves generation
+        paused when it ends."""
+        return self.scheduler.run(lambda: self.transactions.pause_generation(mode))
 
     # weight memory (scheduler thread, inside Scheduler.run, after the scheduler's own checks)
 
@@ -236,12 +246,12 @@ class WeightManager:
         return self.scheduler.run(self.transactions.abort)
 
     def relabel(self, new_version: str, abort_all: bool) -> dict:
-        """Scheduler thread: a new label for the same weights; old namespaces retire."""
-        if self.open_update is not None:
-            return {"success": False, "message": "a weight update is open; commit or abort it "
-                    "first"}
+        """Scheduler thread: a new label for the same weights; old namespaces retire.
+        ValueError while an update is open."""
+        self.check_none_open("relabelling the weights")
         if abort_all:
-            self.scheduler.abort_all("aborted: weight version relabelled")
+            self.scheduler.abort_all(FinishReason.aborted(
+                "relabelled", "aborted: weight version relabelled"))
         self._serving.label = new_version
         self.scheduler.retire_namespaces(lambda ns: ns.weight_version != new_version)
         return {"success": True, "message": f"weight version is now {new_version!r}"}

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from hotswap.engine import Engine
 from hotswap.rollout import SingleTurn, TokenClient, Trajectory
 from hotswap.rollout.async_rollout import AsyncRollout
+from hotswap.rollout.tracking import batch_metrics
 
 SHORT = {"max_new_tokens": 3}
 LONG = {"max_new_tokens": 120}
@@ -28,12 +29,12 @@ def engine(model_path):
         yield eng
 
 
-def push(engine: Engine, model_path: str, step: int) -> None:
+def push(engine: Engine, model_path: str, step: int, label: str | None = None) -> None:
     """A new version: the original weights scaled a little differently each time."""
     tensors = load_file(f"{model_path}/model.safetensors")
     scale = 1.0 + 0.05 * (step + 1)
-    assert engine.update_weights_from_tensor([(k, v * scale) for k, v in tensors.items()])[
-        "success"]
+    assert engine.update_weights_from_tensor([(k, v * scale) for k, v in tensors.items()],
+                                             weight_version=label)["success"]
 
 
 def adds_up(acc: dict) -> bool:
@@ -54,12 +55,11 @@ def test_staleness_bound_and_accounting_with_an_update_every_step(engine, model_
     with runner:
         for step in range(4):
             batch = runner.get_batch(timeout=120)
-            handed_at = batch.meta["weight_version"]
-            assert handed_at == step == int(engine.get_weight_version())
+            assert batch.meta["weight_version"] == str(step) == engine.get_weight_version()
             assert len(batch) == 4 and batch.num_groups == 2
             for versions, mask in zip(batch.weight_versions, batch.loss_mask):
                 for v, m in zip(versions, mask):
-                    assert m == 1 and handed_at - int(v) <= 1  # never more than 1 behind
+                    assert m == 1 and step - int(v) <= 1  # never more than 1 behind
             assert batch.meta["staleness"]["max_lag"] <= 1
             assert adds_up(batch.meta["accounting"])
             # the gate: never more than (max_staleness + version + 1) batches admitted
@@ -177,3 +177,103 @@ def test_tokens_two_versions_old_are_masked_or_dropped(engine, model_path, stale
     assert mask == [0] * head + [1] * tail  # the version-0 tokens masked, the version-2 ones kept
     assert versions == [None] * head + ["2"] * tail
     assert torch.tensor(batch.behavior_logprobs[i])[torch.tensor(mask) == 0].abs().sum() == 0
+
+
+def step_of(label: str) -> int:
+    return int(label.removeprefix("step-"))
+
+
+def test_staleness_bound_with_step_labels_past_step_9(engine, model_path):
+    """The README's labels (weight_version=f"step-{step}"): "step-10" is one version after
+    "step-9", for the bound, the admission gate and the lags."""
+    assert engine.update_weight_version("step-7")["success"]
+    client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True,
+                                           "max_new_tokens": 24})
+    rows = [{"prompt": f"Numbers {i} and"} for i in range(5)]
+    runner = AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
+                          reward=varied, max_staleness=1)
+    with runner:
+        for step in range(7, 11):
+            batch = runner.get_batch(timeout=120)
+            assert batch.meta["weight_version"] == f"step-{step}" == engine.get_weight_version()
+            lags = [step - step_of(v) for row in batch.weight_versions for v in row]
+            assert all(0 <= lag <= 1 for lag in lags)  # never more than 1 behind
+            assert batch.meta["staleness"]["max_lag"] == max(lags)
+            metrics = batch_metrics(batch, f"step-{step}", client.versions)
+            assert metrics["staleness/version_lag_max"] == max(lags)
+            assert metrics["staleness/version_lag_mean"] == pytest.approx(sum(lags) / len(lags))
+            acc = batch.meta["accounting"]
+            assert acc["accepted"] + acc["ready"] + acc["running"] <= (1 + step - 7 + 1) * 2
+            push(engine, model_path, step, f"step-{step + 1}")
+    assert runner.accounting()["accepted"] == 8
+
+
+class HeldEngine:
+    """The Engine as the rollout calls it, answering at once with 4 tokens of the version it
+    serves, except for the prompt [2]: that request waits for `release` and answers with 2
+    tokens of the version served when it started and 2 of the one served when released (a
+    request that ran across updates under pause mode in_place)."""
+
+    def __init__(self, version: str):
+        self.version = version
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+    def abort_request(self, rid=None, abort_all=False) -> None:
+        self.release.set()
+
+    def generate(self, input_ids, sampling_params, return_logprob, rid, **_) -> list[dict]:
+        outs = []
+        for prompt in input_ids:
+            first = self.version
+            if prompt == [2] and not self.release.is_set():
+                self.started.set()
+                assert self.release.wait(60)
+            spans = [{"version": first, "start": 0, "end": 2},
+                     {"version": self.version, "start": 2, "end": 4}]
+            outs += [{"text": "", "output_ids": [7] * 4, "meta_info": {
+                "finish_reason": {"type": "length", "matched": None, "message": None},
+                "output_token_logprobs": [[-1.0, 7]] * 4, "weight_versions": spans}}
+                for _ in range(sampling_params["n"])]
+        return outs
+
+
+@pytest.mark.parametrize("stale", ["mask", "drop"])
+@pytest.mark.parametrize("labels, read_between", [
+    (("step-8", "step-9", "step-10"), False),  # labels that differ in their number only
+    (("0", "step-0", "step-1"), True),  # the engine's "0", then the trainer's labels
+])
+def test_tokens_two_labels_old_are_masked_or_dropped(labels, read_between, stale):
+    """Two versions land while a group runs: its first tokens are two versions old at the
+    hand-out. Counted from the labels' numbers, whether the runner saw the middle version or
+    not; counted over the versions seen where the labels differ more ("0" -> "step-0": the
+    trainer reads the version between its pushes, as get_batch does)."""
+    old, middle, new = labels
+    engine = HeldEngine(old)
+    client = TokenClient(engine)
+    runner = AsyncRollout(client, SingleTurn(), [{"input_ids": [1]}, {"input_ids": [2]}],
+                          group_size=1, batch_groups=1, max_staleness=1, partial=True,
+                          stale=stale, max_concurrent_groups=2)
+    with runner:
+        assert runner.get_batch(timeout=30).weight_versions == [[old] * 4]
+        assert engine.started.wait(30)  # the held group runs under `old`
+        engine.version = middle
+        if read_between:
+            client.weight_version()
+        engine.version = new
+        engine.release.set()
+        handed = []
+        while not (any(t.row["input_ids"] == [2] and t.group_id == 1 for t in handed)
+                   or runner.accounting()["dropped"].get("stale")):
+            handed += runner.get_batch(timeout=30).trajectories
+        dropped = runner.accounting()["dropped"]
+    held = [t for t in handed if t.group_id == 1]
+    if stale == "drop":
+        assert dropped == {"stale": 1} and not held
+        return
+    (traj,) = held
+    assert traj.loss_mask == [0, 0, 1, 1] and traj.versions == [None, None, new, new]
+    assert traj.logprobs == [0.0, 0.0, -1.0, -1.0]
+

@@ -79,6 +79,24 @@ def test_batch_masks_groups_adjacent_and_tensors():
     assert t["advantages"].tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
 
 
+def test_step_labels_order_tensors_and_staleness_metrics():
+    """The README's labels: "step-10" is newer than "step-9" in the tensors and the metrics,
+    and the engine's first "0" is older than both."""
+    from hotswap.rollout.tracking import batch_metrics
+
+    trajs = []
+    for i, versions in enumerate([["step-10", "step-10"], ["step-9", "step-10"], ["0", "0"]]):
+        t = Trajectory(prompt_ids=[5], group_id=i)
+        t.append_generated([10, 11], [-0.5, -0.25], versions)
+        trajs.append(t)
+    batch = RolloutBatch.from_trajectories(trajs, [0.0] * 3)
+    assert batch.to_tensors(pad_id=0)["weight_versions"].tolist() == [[2, 2], [1, 2], [0, 0]]
+    metrics = batch_metrics(batch, "step-11")
+    # lags behind step-11: 1, 1, 2, 1 by their numbers; "0" 3: step-9, step-10, step-11 after it
+    assert metrics["staleness/version_lag_max"] == 3
+    assert metrics["staleness/version_lag_mean"] == pytest.approx((1 + 1 + 2 + 1 + 3 + 3) / 6)
+
+
 def test_masked_token_with_a_logprob_is_refused():
     t = traj(0, 0)
     t.loss_mask[0] = 0

@@ -75,6 +75,40 @@ def test_resubmit_after_a_pause_abort_keeps_per_token_versions(engine, model_pat
     assert comp.output_ids[split:] == cont["output_ids"]  # continued under v1 from there
 
 
+class AbortsFirst:
+    """A backend whose first answer is an abort with the given reason and message, after two
+    tokens; the resubmission then runs to its length."""
+
+    def __init__(self, reason: str, message: str):
+        self.finish = {"type": "abort", "matched": None, "message": message, "reason": reason}
+        self.calls = 0
+
+    def get_weight_version(self) -> str:
+        return "step-3"
+
+    def generate(self, input_ids, sampling_params, return_logprob, rid, **_) -> list[dict]:
+        self.calls += 1
+        count = 2 if self.calls == 1 else sampling_params["max_new_tokens"]
+        finish = self.finish if self.calls == 1 else {"type": "length", "matched": None,
+                                                      "message": None}
+        return [{"text": "", "output_ids": [7] * count, "meta_info": {
+            "finish_reason": finish, "output_token_logprobs": [[-1.0, 7]] * count,
+            "weight_versions": [{"version": "step-3", "start": 0, "end": count}]}}]
+
+
+@pytest.mark.parametrize("reason, message, resubmitted", [
+    ("paused", "interrupted: new weights arrived", True),  # reworded: still the reason
+    ("user", "aborted: generation paused (mode abort)", False),  # the old text, another reason
+])
+def test_resubmission_is_keyed_on_the_abort_reason_not_its_message(reason, message,
+                                                                    resubmitted):
+    backend = AbortsFirst(reason, message)
+    (comp,) = TokenClient(backend, sampling={"max_new_tokens": 6}).generate([1, 2, 3])
+    assert comp.resubmits == int(resubmitted) and backend.calls == 1 + int(resubmitted)
+    assert comp.finish_type == ("length" if resubmitted else "abort")
+    assert len(comp.output_ids) == len(comp.versions) == (6 if resubmitted else 2)
+
+
 def test_collect_over_samples_until_target_groups_pass(engine):
     client = TokenClient(engine, sampling={"temperature": 1.0, "max_new_tokens": 6})
     rows = [{"prompt": f"Numbers {i} and", "id": i} for i in range(8)]

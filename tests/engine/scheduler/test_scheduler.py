@@ -376,6 +376,28 @@ def test_finish_where_ends_the_picked_requests_wherever_they_wait(tiny_chat_mode
     assert started[2][1][0]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_aborts_carry_a_reason_that_clients_read(tiny_chat_model_path):
+    """finish_reason["reason"] says why (clients key on it; the message is for people)."""
+    from hotswap.engine.core.request import FinishReason
+
+    long = {**GREEDY, "max_new_tokens": 400}
+    with Engine(tiny_chat_model_path, max_total_tokens=4096) as eng:
+        reasons = {}
+        for why, stop in (("user", lambda: eng.abort_request("r")),
+                          ("paused", lambda: eng.pause_generation("abort"))):
+            thread, out = _start(eng, prompt="Once upon a time", rid="r", sampling_params=long)
+            wait_until(lambda: eng.scheduler.load().running == 1, 30)
+            stop()
+            thread.join(60)
+            eng.continue_generation()
+            reasons[why] = out[0]["meta_info"]["finish_reason"]
+    assert {why: r["reason"] for why, r in reasons.items()} == {"user": "user",
+                                                                 "paused": "paused"}
+    assert all(r["type"] == "abort" and r["message"] for r in reasons.values())
+    with pytest.raises(ValueError, match="abort reason"):
+        FinishReason.aborted("generation paused", "a message is not a reason")
+
+
 def test_retract_where_recomputes_only_the_picked_requests(tiny_chat_model_path, reference):
     ps, expected = reference
     long = {**GREEDY, "max_new_tokens": 120}

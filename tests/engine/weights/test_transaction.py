@@ -9,10 +9,11 @@ import threading
 
 import pytest
 import torch
-from fixtures import wait_until, write_tiny_chat_model
+from fixtures import serve, wait_until, write_tiny_chat_model
 
-from hotswap.engine import Engine
+from hotswap.engine import Engine, RemoteEngine
 from hotswap.engine.errors import WeightsIncompleteError
+from hotswap.engine.weights.transaction import WeightUpdate
 from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.group import free_port
 
@@ -136,6 +137,50 @@ def test_a_second_open_while_one_is_open_is_refused(model_path):
         e.update_weights_from_tensor(second[2:], commit=False)
         result = e.commit_weight_update()
         assert result["weight_version"] == "2" and "2 piece(s)" in result["message"]
+
+
+def test_one_error_rule_for_calls_that_meet_an_open_update_or_none(model_path):
+    """docs/api.md#errors: a call refused before anything changed raises ValueError (HTTP 400,
+    ValueError again from RemoteEngine); aborting with nothing open is done already."""
+    with engine(model_path) as e, serve(e) as server:
+        remote = RemoteEngine(server.url)
+        assert e.prepare_weights_from_tensor(new_weights(e, 8))["success"]
+        for client in (e, remote):
+            for call in (lambda c: c.update_weight_version("relabelled"),
+                         lambda c: c.release_memory_occupation(),
+                         lambda c: c.update_weights_from_disk(model_path)):
+                with pytest.raises(ValueError, match="a weight update is open"):
+                    call(client)
+        assert e.get_weight_version() == "0" and e.weights.open_update is not None
+        assert remote.abort_weight_update()["success"]
+        for client in (e, remote):
+            with pytest.raises(ValueError, match="no weight update is open"):
+                client.commit_weight_update()
+            result = client.abort_weight_update()
+            assert result["success"] and "nothing to abort" in result["message"]
+        assert remote.update_weight_version("relabelled")["success"]
+
+
+def test_a_pause_during_an_update_is_recorded_on_the_scheduler_thread(model_path):
+    """The user's pause outlives an update open when it came; the mark is written by the
+    scheduler thread, the only writer of what the transaction holds."""
+    writers = []
+
+    class Watched(WeightUpdate):
+        def __setattr__(self, name, value):
+            if name == "was_paused" and value:
+                writers.append(threading.current_thread())
+            super().__setattr__(name, value)
+
+    with engine(model_path) as e:
+        e.update_weights_from_tensor(new_weights(e, 9)[:2], commit=False)
+        e.weights.open_update.__class__ = Watched
+        assert e.pause_generation("retract")["success"]
+        assert writers == [e.scheduler._thread]
+        assert e.commit_weight_update()["success"]
+        assert e.scheduler.paused  # the commit restored the user's pause, not lifted it
+        e.continue_generation()
+        assert not e.scheduler.paused
 
 
 def test_an_update_left_open_is_aborted_after_the_timeout(model_path):
