@@ -4,8 +4,8 @@
 servers) and `hotswap.fleet.RayFleet` implement `EngineClient` with these exact signatures; a
 conformance test runs the same calls against each. The methods that take a request
 (generate, the distributed update) are made from its definition in request.py; an
-implementation writes their `_name(request)` counterpart. Code that takes an engine (TokenClient, the rollout loops, the
-adapters, WeightSender targets) takes any of them.
+implementation writes their `_name(request)` counterpart. Code that takes an engine
+(TokenClient, the rollout loops, the adapters, WeightSender targets) takes any of them.
 
 The rules every implementation shares live here too, each once: the pause modes, the staging
 modes, the largest `n`, and how `commit=None` resolves. This module imports nothing from the
