@@ -100,6 +100,9 @@ class WeightSender:
         self.group: WeightGroup | None = None
         self._members: tuple | None = None  # the targets' membership the group was made with
         self.delta: DeltaTracker | None = None  # what the targets hold (send(delta=True))
+        # A CPU group's two bucket buffers, kept between sends: fresh ones are paged in while the
+        # wire waits (CUDA's caching allocator keeps freed blocks anyway).
+        self._flat: list[torch.Tensor | None] = [None, None]
         self.last_push: dict[str, Any] = {}  # {"kind": "full" | "delta", "bytes", ...}
 
     @property
@@ -280,6 +283,7 @@ class WeightSender:
 
     def close(self, targets: Sequence[Any]) -> None:
         """Destroys the group on every target and here."""
+        self._flat = [None, None]
         if self.group is not None:
             self.group.destroy()
             self.group = None
@@ -311,7 +315,7 @@ class WeightSender:
             buckets = plan_buckets(specs, self.bucket_bytes)
             self.group.broadcast(bucket_header(buckets, len(tensors)).to(device))
             # Two buffers: bucket k+1 is flattened while bucket k is on the wire.
-            pool: list[torch.Tensor | None] = [None, None]
+            pool = self._flat if device.type == "cpu" else [None, None]
             pending: list[Any] = [None, None]
             try:
                 for i, bucket in enumerate(buckets):
