@@ -15,6 +15,7 @@ import torch
 from torchrun_sender import TrainerError, TrainerProcess, free_port, perturbed, save_checkpoint
 
 from hotswap.engine import Engine
+from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.rpc import RpcServer
 
 pytestmark = pytest.mark.slow
@@ -96,3 +97,22 @@ def test_a_finite_fp32_value_beyond_bf16_range_is_refused(trainer, tiny_chat_mod
         assert outputs(engine) == before
         assert trainer.call("send", key="good", weight_version="v1")["replies"][0]["success"]
         assert_weights_are_rounded(engine, tensors)
+
+
+def test_a_sender_rounds_for_a_bf16_engine_as_the_engine_would(tiny_chat_model_path, tmp_path):
+    """An Engine target reports its weights' dtype: the sender rounds the fp32 tensors before
+    the wire (half the bytes), and the engine ends where a fresh bf16 engine starts."""
+    v1 = perturbed(tiny_chat_model_path, seed=8)
+    ref = save_checkpoint(v1, tiny_chat_model_path, str(tmp_path / "ref"))
+    with bf16_engine(tiny_chat_model_path) as engine:
+        sender = WeightSender("127.0.0.1", free_port(), 2, backend="gloo", bucket_bytes=1 << 20,
+                              timeout_s=30)
+        try:
+            sender.send(v1, [engine], weight_version="v1")
+        finally:
+            sender.close([engine])
+        assert sender.last_push["bytes"] == sum(t.numel() * 2 for t in v1.values())
+        assert_weights_are_rounded(engine, v1)
+        after = outputs(engine)
+    with bf16_engine(ref) as fresh:
+        assert after == outputs(fresh)
