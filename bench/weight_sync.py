@@ -8,16 +8,19 @@ python bench/weight_sync.py --delta [--dtypes bfloat16 float32] [--lrs 1e-6 1e-5
 
 This process runs one engine per `--dtypes` entry (each reached through
 hotswap.weight_sync.rpc); a spawned trainer process holds perturbed fp32 weights and sends them
-with one WeightSender per engine over gloo on localhost. A bfloat16 engine converts what it
-receives (an RL trainer's fp32 tensors into a bf16 rollout engine: the common case).
+over gloo on localhost, one WeightSender per route. Routes ("wire>engine"): fp32>float32;
+into a bfloat16 engine (an RL trainer's fp32 tensors into a bf16 rollout engine: the common
+case) fp32>bfloat16, where the sender is not told the engine's dtype and the engine converts
+as the tensors land, and bf16>bfloat16, where the target reports its `weights_dtype` (as an
+Engine or RemoteEngine does) and the sender rounds before the wire.
 Measured in one run, between the same two processes:
 - end-to-end update time: WeightSender.send called -> every target committed the new version,
-  per engine dtype, for load_format None (one broadcast per tensor) and "flattened_bucket", and
-  per staging mode (the `staging` argument of each update: "standby", the default, and "none",
-  in place);
+  per route, for load_format None (one broadcast per tensor) and "flattened_bucket", and per
+  staging mode (the `staging` argument of each update: "standby", the default, and "none", in
+  place);
 - a raw gloo broadcast of the same (fp32) bytes in the same messages (one per tensor, or one
   per bucket), timed on the receiving side; the ratio e2e / raw is the price of the update
-  protocol (and, into a bfloat16 engine, of the conversion);
+  protocol (and of the conversion into a bfloat16 engine; below 1 when bf16 is on the wire);
 - where the engine's share goes, per stage (the engine's own timings of each update), and what
   is left for the RPC and the sender: e2e minus the engine's stages;
 - the memory an update costs on the engine side (this process): peak RSS during the update
@@ -76,17 +79,20 @@ class BenchTrainer:
             self.tensors[name] = base + scale * base.abs().mean() * noise
         return [(n, list(t.shape)) for n, t in self.tensors.items()]
 
-    def connect(self, engine: str, address: tuple[str, int], authkey: bytes, master_port: int,
-                bucket_bytes: int, timeout_s: float) -> None:
+    def connect(self, route: str, address: tuple[str, int], authkey: bytes, master_port: int,
+                bucket_bytes: int, timeout_s: float, weights_dtype: str | None) -> None:
+        """A sender for `route`; weights_dtype: what the target reports (None: nothing)."""
         proxy = EngineProxy(address, authkey, timeout_s=2 * timeout_s)
-        sender = WeightSender("127.0.0.1", master_port, 2, group_name=f"bench-{engine}",
+        if weights_dtype is not None:
+            proxy.weights_dtype = weights_dtype  # type: ignore[attr-defined]
+        sender = WeightSender("127.0.0.1", master_port, 2, group_name=f"bench-{route}",
                               backend="gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         sender.connect([proxy])
-        self.senders[engine] = sender, proxy
+        self.senders[route] = sender, proxy
 
-    def send(self, engine: str, **kwargs: Any) -> dict:
+    def send(self, route: str, **kwargs: Any) -> dict:
         torch.set_num_threads(1)  # as the trainer's main thread (this is an RPC thread)
-        sender, proxy = self.senders[engine]
+        sender, proxy = self.senders[route]
         start = time.perf_counter()
         replies = sender.send(self.tensors, [proxy], **kwargs)
         return {"replies": replies, "seconds": time.perf_counter() - start}
@@ -188,7 +194,7 @@ class Update:
     def __init__(self, engine: Engine, key: str, trainer: RpcClient, **kwargs: Any) -> None:
         before = _status_mb("VmRSS")
         peak_ok = _reset_peak_rss()
-        out = trainer.call("send", engine=key, **kwargs)
+        out = trainer.call("send", route=key, **kwargs)
         assert out["replies"][0]["success"], out
         self.e2e = out["seconds"]
         self.stages = dict(getattr(engine.weights, "last_stages", {}))  # absent before 31
@@ -196,20 +202,32 @@ class Update:
         self.kept_mb = _status_mb("VmRSS") - before
 
 
-Row = tuple[str, str, str | None]  # (engine dtype, staging, load_format)
+Row = tuple[str, str, str | None]  # (route, staging, load_format)
+WIRE = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def routes_of(dtypes: list[str]) -> dict[str, tuple[str, str | None]]:
+    """route -> (engine dtype, the weights_dtype its target reports): fp32 on the wire into
+    every engine, and bf16 too into a bfloat16 engine (the sender rounds)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for dtype in dtypes:
+        out[f"fp32>{dtype}"] = dtype, None
+        if dtype != "float32":
+            out[f"{WIRE[dtype]}>{dtype}"] = dtype, dtype
+    return out
 
 
 def measure(engines: dict[str, Engine], trainer: RpcClient, raw: RawGroup, sizes: dict,
             repeats: int, stagings: list[str]) -> dict[Row, tuple[list[Update], list[float]]]:
-    """Per (engine dtype, staging, format), `repeats` updates and as many raw rounds,
-    alternating: raw, update, ...; the rows swap order every repeat."""
-    rows = [(d, s, f) for d in engines for s in stagings for f in FORMATS]
+    """Per (route, staging, format) (`engines` by route), `repeats` updates and as many raw
+    rounds, alternating: raw, update, ...; the rows swap order every repeat."""
+    rows = [(r, s, f) for r in engines for s in stagings for f in FORMATS]
     out: dict[Row, tuple[list[Update], list[float]]] = {r: ([], []) for r in rows}
     for i in range(repeats):
-        for dtype, staging, f in rows if i % 2 == 0 else rows[::-1]:
-            out[dtype, staging, f][1].append(raw.round(sizes[f]))
-            out[dtype, staging, f][0].append(
-                Update(engines[dtype], dtype, trainer, load_format=f, staging=staging))
+        for route, staging, f in rows if i % 2 == 0 else rows[::-1]:
+            out[route, staging, f][1].append(raw.round(sizes[f]))
+            out[route, staging, f][0].append(
+                Update(engines[route], route, trainer, load_format=f, staging=staging))
     return out
 
 
@@ -265,7 +283,7 @@ def measure_stall(engine: Engine, key: str, trainer: RpcClient, mode: str, reque
         f.start()
     for f in followers:
         f.started.wait(120)
-    out = trainer.call("send", engine=key, load_format="flattened_bucket",
+    out = trainer.call("send", route=key, load_format="flattened_bucket",
                        pause_mode=mode)
     for f in followers:
         f.join(120)
@@ -280,11 +298,11 @@ def print_stalls(stalls: dict[tuple[str, str], tuple[list[float], float]], reque
     print(f"\nstall of {requests} streaming requests per pause mode "
           "(flattened_bucket, staging standby; last old-version token -> first new-version "
           "token)")
-    print(f"{'engine':<10}{'pause_mode':<12}{'update s':>10}{'stall median':>14}"
+    print(f"{'route':<16}{'pause_mode':<12}{'update s':>10}{'stall median':>14}"
           f"{'stall max':>11}{'stall/update':>14}")
-    for (dtype, mode), (values, update_s) in stalls.items():
+    for (route, mode), (values, update_s) in stalls.items():
         med = statistics.median(values)
-        print(f"{dtype:<10}{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
+        print(f"{route:<16}{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
               f"{med / update_s:>14.2f}")
 
 
@@ -295,7 +313,7 @@ def print_stages(rows: list[tuple[str, list[Update], list[float]]]) -> None:
             stages += [s for s in u.stages if s not in stages]
     print("\nwhere an update's time goes (median s per stage; 'rpc+sender' = e2e minus the "
           "engine's stages)")
-    print(f"{'engine, staging, format':<35}" + "".join(f"{s:>10}" for s in stages)
+    print(f"{'route, staging, format':<35}" + "".join(f"{s:>10}" for s in stages)
           + f"{'rpc+sender':>12}{'e2e':>8}{'raw':>8}")
     for name, updates, raw_s in rows:
         cells = [statistics.median(u.stages.get(s, 0.0) for u in updates) for s in stages]
@@ -346,19 +364,23 @@ def main() -> None:
              "flattened_bucket": [b.nbytes for b in plan_buckets(specs, bucket_bytes)]}
     raw = RawGroup(trainer)
     raw_one = [raw.round([total]) for _ in range(args.repeats)]
-    servers = [RpcServer(e) for e in engines.values()]
-    for dtype, server in zip(engines, servers):
-        trainer.call("connect", engine=dtype, address=server.address, authkey=server.authkey,
-                     master_port=free_port(), bucket_bytes=bucket_bytes, timeout_s=300)
-    measured = measure(engines, trainer, raw, sizes, args.repeats, args.staging)
-    rows = [(f"{d} {s}, {f}", *m) for (d, s, f), m in measured.items()]
+    servers = {d: RpcServer(e) for d, e in engines.items()}
+    routes = routes_of(args.dtypes)
+    for route, (dtype, reported) in routes.items():
+        trainer.call("connect", route=route, address=servers[dtype].address,
+                     authkey=servers[dtype].authkey, master_port=free_port(),
+                     bucket_bytes=bucket_bytes, timeout_s=300, weights_dtype=reported)
+    by_route = {route: engines[dtype] for route, (dtype, _) in routes.items()}
+    measured = measure(by_route, trainer, raw, sizes, args.repeats, args.staging)
+    rows = [(f"{r} {s}, {f}", *m) for (r, s, f), m in measured.items()]
     raw.close()
-    stalls = {(d, mode): measure_stall(e, d, trainer, mode, args.stall_requests)
-              for d, e in engines.items() for mode in PAUSE_MODES if args.stall_requests > 0}
+    last_route = {dtype: route for route, (dtype, _) in routes.items()}  # a real Engine's
+    stalls = {(r, mode): measure_stall(engines[d], r, trainer, mode, args.stall_requests)
+              for d, r in last_route.items() for mode in PAUSE_MODES if args.stall_requests > 0}
     repack_s = {d: e.scheduler.runner.last_pack_s for d, e in engines.items()}
     quant_mb = sum(e.scheduler.runner.quant_bytes for e in engines.values()) / 1e6
     trainer.call("close")
-    for server in servers:
+    for server in servers.values():
         server.close()
     conn.send("stop")
     proc.join(30)
@@ -372,7 +394,7 @@ def main() -> None:
     print("\n'peak +MB': peak RSS of the engine's process during an update minus its RSS before "
           "(first: the row's first update; later: median of the others); 'kept +MB': RSS after "
           "minus before, summed over the row's updates")
-    print(f"{'engine, staging, format':<35}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
+    print(f"{'route, staging, format':<35}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
           f"{'e2e/raw':>9}{'pairs':>12}{'peak +MB first':>16}{'later':>7}{'kept +MB':>10}")
     for name, updates, raws in rows:
         e2e, raw_s = statistics.median(u.e2e for u in updates), statistics.median(raws)

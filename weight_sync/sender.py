@@ -30,6 +30,7 @@ from hotswap.weight_sync.bucket import (
     dtype_to_str,
     plan_buckets,
     str_to_dtype,
+    unflatten,
 )
 from hotswap.weight_sync.delta import DeltaTracker, delta_stats, full_stats
 from hotswap.weight_sync.group import (
@@ -414,7 +415,13 @@ def _flatten_into(pool: list[torch.Tensor | None], slot: int, bucket: Bucket,
     if buf is None or buf.numel() < bucket.nbytes:
         buf = pool[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     flat = buf[: bucket.nbytes].view(bucket.dtype)
-    torch.cat([t.reshape(-1) for t in parts], out=flat)
+    if all(t.dtype == bucket.dtype for t in parts):
+        torch.cat([t.reshape(-1) for t in parts], out=flat)
+        return flat
+    # Rounding: cat into another dtype takes a scalar path (56 ms for SmolLM2's embedding
+    # against 4.5 ms for copy_, the vectorised one).
+    for view, t in zip(unflatten(flat, bucket.specs), parts, strict=True):
+        view.copy_(t)
     return flat
 
 
