@@ -1,18 +1,26 @@
 """Weight sync: a trainer process pushes SmolLM2-135M (fp32, ~540 MB) into an engine process.
 
 python bench/weight_sync.py [--repeats 5] [--bucket-mb 32] [--stall-requests 4]
-                            [--staging standby none] [--quantization int8]
+                            [--staging standby none] [--dtypes float32 bfloat16]
+                            [--quantization int8]
 python bench/weight_sync.py --delta [--dtypes bfloat16 float32] [--lrs 1e-6 1e-5]
                             (delta vs full pushes: bench/delta_sync.py)
 
-This process runs the engine (reached through hotswap.weight_sync.rpc); a spawned trainer
-process holds perturbed weights and sends them with WeightSender over gloo on localhost.
+This process runs one engine per `--dtypes` entry (each reached through
+hotswap.weight_sync.rpc); a spawned trainer process holds perturbed fp32 weights and sends them
+over gloo on localhost, one WeightSender per route. Routes ("wire>engine"): fp32>float32;
+into a bfloat16 engine (an RL trainer's fp32 tensors into a bf16 rollout engine: the common
+case) fp32>bfloat16, where the sender is not told the engine's dtype and the engine converts
+as the tensors land, and bf16>bfloat16, where the target reports its `weights_dtype` (as an
+Engine or RemoteEngine does) and the sender rounds before the wire.
 Measured in one run, between the same two processes:
 - end-to-end update time: WeightSender.send called -> every target committed the new version,
-  for load_format None (one broadcast per tensor) and "flattened_bucket", and per staging mode
-  (the `staging` argument of each update: "standby", the default, and "none", in place);
-- a raw gloo broadcast of the same bytes in the same messages (one per tensor, or one per
-  bucket), timed on the receiving side; the ratio e2e / raw is the price of the update protocol;
+  per route, for load_format None (one broadcast per tensor) and "flattened_bucket", and per
+  staging mode (the `staging` argument of each update: "standby", the default, and "none", in
+  place);
+- a raw gloo broadcast of the same (fp32) bytes in the same messages (one per tensor, or one
+  per bucket), timed on the receiving side; the ratio e2e / raw is the price of the update
+  protocol (and of the conversion into a bfloat16 engine; below 1 when bf16 is on the wire);
 - where the engine's share goes, per stage (the engine's own timings of each update), and what
   is left for the RPC and the sender: e2e minus the engine's stages;
 - the memory an update costs on the engine side (this process): peak RSS during the update
@@ -58,8 +66,7 @@ class BenchTrainer:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.sender: WeightSender | None = None
-        self.proxy: EngineProxy | None = None
+        self.senders: dict[str, tuple[WeightSender, EngineProxy]] = {}  # per engine dtype
         self.raw_group: Any = None
 
     def load(self, model_path: str, seed: int, scale: float) -> list[tuple[str, list[int]]]:
@@ -72,17 +79,22 @@ class BenchTrainer:
             self.tensors[name] = base + scale * base.abs().mean() * noise
         return [(n, list(t.shape)) for n, t in self.tensors.items()]
 
-    def connect(self, address: tuple[str, int], authkey: bytes, master_port: int,
-                bucket_bytes: int, timeout_s: float) -> None:
-        self.proxy = EngineProxy(address, authkey, timeout_s=2 * timeout_s)
-        self.sender = WeightSender("127.0.0.1", master_port, 2, backend="gloo",
-                                   bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        self.sender.connect([self.proxy])
+    def connect(self, route: str, address: tuple[str, int], authkey: bytes, master_port: int,
+                bucket_bytes: int, timeout_s: float, weights_dtype: str | None) -> None:
+        """A sender for `route`; weights_dtype: what the target reports (None: nothing)."""
+        proxy = EngineProxy(address, authkey, timeout_s=2 * timeout_s)
+        if weights_dtype is not None:
+            proxy.weights_dtype = weights_dtype  # type: ignore[attr-defined]
+        sender = WeightSender("127.0.0.1", master_port, 2, group_name=f"bench-{route}",
+                              backend="gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        sender.connect([proxy])
+        self.senders[route] = sender, proxy
 
-    def send(self, **kwargs: Any) -> dict:
+    def send(self, route: str, **kwargs: Any) -> dict:
         torch.set_num_threads(1)  # as the trainer's main thread (this is an RPC thread)
+        sender, proxy = self.senders[route]
         start = time.perf_counter()
-        replies = self.sender.send(self.tensors, [self.proxy], **kwargs)
+        replies = sender.send(self.tensors, [proxy], **kwargs)
         return {"replies": replies, "seconds": time.perf_counter() - start}
 
     def raw_open(self, master_port: int) -> None:
@@ -101,9 +113,9 @@ class BenchTrainer:
         self.raw_group.destroy()
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close([self.proxy])
-            self.sender = None
+        for sender, proxy in self.senders.values():
+            sender.close([proxy])
+        self.senders.clear()
 
 
 def _trainer_main(conn: Any) -> None:
@@ -179,10 +191,10 @@ class Update:
     """One measured update: e2e at the trainer, the engine's stages, the RSS it cost (peak
     during it and kept after it)."""
 
-    def __init__(self, engine: Engine, trainer: RpcClient, **kwargs: Any) -> None:
+    def __init__(self, engine: Engine, key: str, trainer: RpcClient, **kwargs: Any) -> None:
         before = _status_mb("VmRSS")
         peak_ok = _reset_peak_rss()
-        out = trainer.call("send", **kwargs)
+        out = trainer.call("send", route=key, **kwargs)
         assert out["replies"][0]["success"], out
         self.e2e = out["seconds"]
         self.stages = dict(getattr(engine.weights, "last_stages", {}))  # absent before 31
@@ -190,19 +202,32 @@ class Update:
         self.kept_mb = _status_mb("VmRSS") - before
 
 
-Row = tuple[str, str | None]  # (staging, load_format)
+Row = tuple[str, str, str | None]  # (route, staging, load_format)
+WIRE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def measure(engine: Engine, trainer: RpcClient, raw: RawGroup, sizes: dict, repeats: int,
-            stagings: list[str]) -> dict[Row, tuple[list[Update], list[float]]]:
-    """Per (staging, format), `repeats` updates and as many raw rounds, alternating: raw,
-    update, ...; the staging modes swap order every repeat."""
-    rows = [(s, f) for s in stagings for f in FORMATS]
+def routes_of(dtypes: list[str]) -> dict[str, tuple[str, str | None]]:
+    """route -> (engine dtype, the weights_dtype its target reports): fp32 on the wire into
+    every engine, and bf16 too into a bfloat16 engine (the sender rounds)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for dtype in dtypes:
+        out[f"fp32>{dtype}"] = dtype, None
+        if dtype != "float32":
+            out[f"{WIRE[dtype]}>{dtype}"] = dtype, dtype
+    return out
+
+
+def measure(engines: dict[str, Engine], trainer: RpcClient, raw: RawGroup, sizes: dict,
+            repeats: int, stagings: list[str]) -> dict[Row, tuple[list[Update], list[float]]]:
+    """Per (route, staging, format) (`engines` by route), `repeats` updates and as many raw
+    rounds, alternating: raw, update, ...; the rows swap order every repeat."""
+    rows = [(r, s, f) for r in engines for s in stagings for f in FORMATS]
     out: dict[Row, tuple[list[Update], list[float]]] = {r: ([], []) for r in rows}
     for i in range(repeats):
-        for staging, f in rows if i % 2 == 0 else rows[::-1]:
-            out[staging, f][1].append(raw.round(sizes[f]))
-            out[staging, f][0].append(Update(engine, trainer, load_format=f, staging=staging))
+        for route, staging, f in rows if i % 2 == 0 else rows[::-1]:
+            out[route, staging, f][1].append(raw.round(sizes[f]))
+            out[route, staging, f][0].append(
+                Update(engines[route], route, trainer, load_format=f, staging=staging))
     return out
 
 
@@ -247,7 +272,7 @@ class Follower(threading.Thread):
         return first_new - last_old
 
 
-def measure_stall(engine: Engine, trainer: RpcClient, mode: str, requests: int
+def measure_stall(engine: Engine, key: str, trainer: RpcClient, mode: str, requests: int
                   ) -> tuple[list[float], float]:
     """Per-request stalls and the update's end-to-end time, for one update in `mode`."""
     prompts = [engine.tokenizer.encode(f"Write a long story about dragon number {i}.")
@@ -258,24 +283,26 @@ def measure_stall(engine: Engine, trainer: RpcClient, mode: str, requests: int
         f.start()
     for f in followers:
         f.started.wait(120)
-    out = trainer.call("send", load_format="flattened_bucket", pause_mode=mode)
+    out = trainer.call("send", route=key, load_format="flattened_bucket",
+                       pause_mode=mode)
     for f in followers:
         f.join(120)
     return [f.stall() for f in followers], out["seconds"]
 
 
-def print_stalls(stalls: dict[str, tuple[list[float], float]], requests: int) -> None:
+def print_stalls(stalls: dict[tuple[str, str], tuple[list[float], float]], requests: int
+                 ) -> None:
     """The stall table; none with --stall-requests 0."""
     if not stalls:
         return
     print(f"\nstall of {requests} streaming requests per pause mode "
           "(flattened_bucket, staging standby; last old-version token -> first new-version "
           "token)")
-    print(f"{'pause_mode':<12}{'update s':>10}{'stall median':>14}{'stall max':>11}"
-          f"{'stall/update':>14}")
-    for mode, (values, update_s) in stalls.items():
+    print(f"{'route':<16}{'pause_mode':<12}{'update s':>10}{'stall median':>14}"
+          f"{'stall max':>11}{'stall/update':>14}")
+    for (route, mode), (values, update_s) in stalls.items():
         med = statistics.median(values)
-        print(f"{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
+        print(f"{route:<16}{mode:<12}{update_s:>10.3f}{med:>14.3f}{max(values):>11.3f}"
               f"{med / update_s:>14.2f}")
 
 
@@ -286,13 +313,13 @@ def print_stages(rows: list[tuple[str, list[Update], list[float]]]) -> None:
             stages += [s for s in u.stages if s not in stages]
     print("\nwhere an update's time goes (median s per stage; 'rpc+sender' = e2e minus the "
           "engine's stages)")
-    print(f"{'staging, load_format':<26}" + "".join(f"{s:>10}" for s in stages)
+    print(f"{'route, staging, format':<35}" + "".join(f"{s:>10}" for s in stages)
           + f"{'rpc+sender':>12}{'e2e':>8}{'raw':>8}")
     for name, updates, raw_s in rows:
         cells = [statistics.median(u.stages.get(s, 0.0) for u in updates) for s in stages]
         rest = statistics.median(u.e2e - sum(u.stages.values()) for u in updates)
         e2e = statistics.median(u.e2e for u in updates)
-        print(f"{name:<26}" + "".join(f"{c:>10.3f}" for c in cells)
+        print(f"{name:<35}" + "".join(f"{c:>10.3f}" for c in cells)
               + f"{rest:>12.3f}{e2e:>8.3f}{statistics.median(raw_s):>8.3f}")
 
 
@@ -309,8 +336,9 @@ def main() -> None:
                         help="an int8 engine: every update re-quantizes the weights")
     parser.add_argument("--delta", action="store_true",
                         help="delta vs full pushes after real AdamW steps (bench/delta_sync.py)")
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                        help="with --delta: the engines' dtypes")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=("float32", "bfloat16"),
+                        help="the engines' dtypes (one engine each; the trainer's are fp32)")
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5],
                         help="with --delta: the learning rates")
     args = parser.parse_args()
@@ -325,10 +353,10 @@ def main() -> None:
     shapes = trainer.call("load", model_path=path, seed=1, scale=0.02)
     specs = [(n, torch.float32, tuple(s)) for n, s in shapes]
     total = sum(torch.Size(s).numel() * 4 for _, _, s in specs)
-    engine = Engine(path, dtype="float32", max_total_tokens=16384, weight_update_timeout_s=300,
-                    quantization=args.quantization)
-    print(f"model: {path}, {len(specs)} tensors, {total / 1e6:.0f} MB fp32; "
-          f"quantization {args.quantization}; "
+    engines = {d: Engine(path, dtype=d, max_total_tokens=16384, weight_update_timeout_s=300,
+                         quantization=args.quantization) for d in args.dtypes}
+    print(f"model: {path}, {len(specs)} tensors, {total / 1e6:.0f} MB fp32 pushed into "
+          f"{' and '.join(args.dtypes)} engines; quantization {args.quantization}; "
           f"bucket {args.bucket_mb} MB; staging {' and '.join(args.staging)}; torch threads "
           f"{torch.get_num_threads()}; median of {args.repeats}")
 
@@ -336,21 +364,28 @@ def main() -> None:
              "flattened_bucket": [b.nbytes for b in plan_buckets(specs, bucket_bytes)]}
     raw = RawGroup(trainer)
     raw_one = [raw.round([total]) for _ in range(args.repeats)]
-    server = RpcServer(engine)
-    trainer.call("connect", address=server.address, authkey=server.authkey,
-                 master_port=free_port(), bucket_bytes=bucket_bytes, timeout_s=300)
-    measured = measure(engine, trainer, raw, sizes, args.repeats, args.staging)
-    rows = [(f"{s}, {f}", *m) for (s, f), m in measured.items()]
+    servers = {d: RpcServer(e) for d, e in engines.items()}
+    routes = routes_of(args.dtypes)
+    for route, (dtype, reported) in routes.items():
+        trainer.call("connect", route=route, address=servers[dtype].address,
+                     authkey=servers[dtype].authkey, master_port=free_port(),
+                     bucket_bytes=bucket_bytes, timeout_s=300, weights_dtype=reported)
+    by_route = {route: engines[dtype] for route, (dtype, _) in routes.items()}
+    measured = measure(by_route, trainer, raw, sizes, args.repeats, args.staging)
+    rows = [(f"{r} {s}, {f}", *m) for (r, s, f), m in measured.items()]
     raw.close()
-    stalls = {mode: measure_stall(engine, trainer, mode, args.stall_requests)
-              for mode in PAUSE_MODES if args.stall_requests > 0}
-    repack_s = engine.scheduler.runner.last_pack_s
-    quant_mb = engine.scheduler.runner.quant_bytes / 1e6
+    last_route = {dtype: route for route, (dtype, _) in routes.items()}  # a real Engine's
+    stalls = {(r, mode): measure_stall(engines[d], r, trainer, mode, args.stall_requests)
+              for d, r in last_route.items() for mode in PAUSE_MODES if args.stall_requests > 0}
+    repack_s = {d: e.scheduler.runner.last_pack_s for d, e in engines.items()}
+    quant_mb = sum(e.scheduler.runner.quant_bytes for e in engines.values()) / 1e6
     trainer.call("close")
-    server.close()
+    for server in servers.values():
+        server.close()
     conn.send("stop")
     proc.join(30)
-    engine.shutdown()
+    for e in engines.values():
+        e.shutdown()
 
     print(f"\nraw gloo broadcast, one {total / 1e6:.0f} MB buffer: "
           f"{statistics.median(raw_one):.3f} s ({total / statistics.median(raw_one) / 1e9:.2f} "
@@ -359,14 +394,14 @@ def main() -> None:
     print("\n'peak +MB': peak RSS of the engine's process during an update minus its RSS before "
           "(first: the row's first update; later: median of the others); 'kept +MB': RSS after "
           "minus before, summed over the row's updates")
-    print(f"{'staging, load_format':<26}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
+    print(f"{'route, staging, format':<35}{'e2e s':>8}{'GB/s':>7}{'raw s':>8}{'raw GB/s':>9}"
           f"{'e2e/raw':>9}{'pairs':>12}{'peak +MB first':>16}{'later':>7}{'kept +MB':>10}")
     for name, updates, raws in rows:
         e2e, raw_s = statistics.median(u.e2e for u in updates), statistics.median(raws)
         pairs = sorted(u.e2e / r for u, r in zip(updates, raws))
         later = statistics.median(u.rss_mb for u in updates[1:]) if len(updates) > 1 else 0.0
         kept = sum(u.kept_mb for u in updates)
-        print(f"{name:<26}{e2e:>8.3f}{total / e2e / 1e9:>7.2f}{raw_s:>8.3f}"
+        print(f"{name:<35}{e2e:>8.3f}{total / e2e / 1e9:>7.2f}{raw_s:>8.3f}"
               f"{total / raw_s / 1e9:>9.2f}{e2e / raw_s:>9.2f}"
               f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>12}{updates[0].rss_mb:>16.0f}{later:>7.0f}"
               f"{kept:>10.0f}")
@@ -374,8 +409,9 @@ def main() -> None:
     print_stalls(stalls, args.stall_requests)
     if args.quantization is None:
         if stalls:  # timed at the stall runs' first forward
-            print(f"\nthe first forward after an update rebuilds the packed weight copies (CPU "
-                  f"fp32): {repack_s:.3f} s, inside the stalls above, not in e2e")
+            packs = ", ".join(f"{d} {s:.3f} s" for d, s in repack_s.items())
+            print(f"\nthe first forward after an update rebuilds the packed weight copies: "
+                  f"{packs}, inside the stalls above, not in e2e")
         return
     print(f"\nquantization ({args.quantization} copies: {quant_mb:.0f} MB beside the float "
           "weights), inside each update's transaction, in e2e:")
@@ -383,7 +419,7 @@ def main() -> None:
         shares = sorted(u.stages.get("quantize", 0.0) / u.e2e for u in updates)
         seconds = statistics.median(u.stages.get("quantize", 0.0) for u in updates)
         derive = statistics.median(u.stages.get("derive", 0.0) for u in updates)
-        print(f"  {name:<26}quantize {seconds:.3f} s = {statistics.median(shares):.0%} of e2e "
+        print(f"  {name:<35}quantize {seconds:.3f} s = {statistics.median(shares):.0%} of e2e "
               f"(range {shares[0]:.0%}-{shares[-1]:.0%}); then derive {derive:.3f} s (the "
               "float32 head and packed copies: a float engine rebuilds them at its first "
               "forward after the update, outside e2e)")

@@ -6,6 +6,11 @@ the wire, and a NaN or inf refuses the whole update before anything live is writ
 is then a swap of buffers at commit. Staging "none" receives in place instead, in the scheduler
 thread with generation paused (fastest, no extra memory; a non-finite tensor is found after the
 write and leaves the engine refusing generation until a complete update, docs/design.md).
+
+Tensors sent in another dtype than the weights' (an fp32 trainer, a bf16 engine) are converted
+into their destination as they land (weight_sync/receiver.py), through the landing buffers the
+standby keeps, either staging; the check reads the converted values, what the engine will serve
+(a finite fp32 value beyond the bf16 or fp16 range rounds to inf and is refused).
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ import torch
 from hotswap.engine.models.llama import WeightSlot
 from hotswap.engine.models.loader import is_finite, is_ignored, write_weights
 from hotswap.engine.weights.standby import Standby
-from hotswap.weight_sync.bucket import str_to_dtype
 from hotswap.weight_sync.group import WeightGroup
-from hotswap.weight_sync.receiver import receive_tensors
+from hotswap.weight_sync.receiver import Landing, receive_tensors
 
 
 @contextlib.contextmanager
@@ -87,10 +91,10 @@ def receive_to_standby(standby: Standby, group: WeightGroup, names: Sequence[str
     try:
         views = held.views(names)
         stages.lap("standby")
-        into = _matching(views or {}, names, dtypes)
         bad: list[str] = []
         with closing(receive_tensors(group, names, dtypes, shapes, load_format,
-                                     device=group.device, into=into)) as received:
+                                     device=group.device, into=views,
+                                     landing=held.landing)) as received:
             for name, tensor in _timed(received, stages):
                 if is_ignored(name):
                     continue
@@ -99,9 +103,6 @@ def receive_to_standby(standby: Standby, group: WeightGroup, names: Sequence[str
                 stages.lap("check")
                 if views is None:
                     landed.tensors.append((name, tensor.clone()))
-                elif name not in into:
-                    views[name].copy_(tensor)  # another dtype: converted into the standby
-                stages.lap("convert")
         if views is None:
             landed.standby = None
         if bad:
@@ -115,14 +116,15 @@ def receive_to_standby(standby: Standby, group: WeightGroup, names: Sequence[str
 def receive_in_place(group: WeightGroup, weight_map: dict, names: Sequence[str],
                      dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                      load_format: str | None, check_finite: bool, device: torch.device,
-                     stages: Stages) -> None:
-    """Scheduler thread, generation paused: the tensors land in the parameters; a non-finite one
-    raises after its write (the caller marks the weights incomplete)."""
-    into = _matching({n: weight_map[n].view for n in names if not is_ignored(n)}, names, dtypes)
+                     stages: Stages, landing: Landing) -> None:
+    """Scheduler thread, generation paused: the tensors land in the parameters (through
+    `landing` when converted); a non-finite one raises after its write (the caller marks the
+    weights incomplete)."""
+    into = {n: weight_map[n].view for n in names if not is_ignored(n)}
     into = {n: v for n, v in into.items() if v.device.type != "meta"}
     bad: list[str] = []
     with closing(receive_tensors(group, names, dtypes, shapes, load_format, device=device,
-                                 into=into)) as received:
+                                 into=into, landing=landing)) as received:
         for name, tensor in _timed(received, stages):
             if is_ignored(name):
                 continue
@@ -131,7 +133,6 @@ def receive_in_place(group: WeightGroup, weight_map: dict, names: Sequence[str],
             stages.lap("check")
             if name not in into:
                 write_weights(weight_map, [(name, tensor)])
-            stages.lap("convert")
     if bad:
         raise ValueError(non_finite_message(bad))
 
@@ -142,16 +143,9 @@ def non_finite_message(bad: list[str]) -> str:
     return f"tensor(s) {shown}{more} hold non-finite values (NaN or inf)"
 
 
-def _matching(views: dict[str, torch.Tensor], names: Sequence[str], dtypes: Sequence[str]
-              ) -> dict[str, torch.Tensor]:
-    """The destinations a tensor can be received into directly (the same dtype)."""
-    return {n: views[n] for n, d in zip(names, dtypes)
-            if n in views and views[n].dtype == str_to_dtype(d)}
-
-
 def _timed(received: Iterator[tuple[str, torch.Tensor]], stages: Stages
            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The received tensors, the wait for each charged to "receive"."""
+    """The received tensors, the wait for each (and its conversion) charged to "receive"."""
     for item in received:
         stages.lap("receive")
         yield item

@@ -6,19 +6,23 @@ into memory that is already paged in, checked (finite values) while the engine k
 old weights, and installed at commit by pointing the parameters at it (a swap: no copy). The
 buffer they leave becomes the next standby. A small update (under half the weights) is copied in
 instead, since a swap would first have to copy everything it does not cover. The price is one
-extra copy of the weights in memory, from the first update on (docs/performance.md).
+extra copy of the weights in memory, from the first update on (docs/performance.md), and, for
+updates sent in another dtype than the weights' (fp32 into bf16), two landing buffers of one
+bucket (or, per tensor, of the largest tensor) each, where they land before conversion.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from hotswap.engine.models.llama import WeightSlot
 from hotswap.engine.models.loader import is_ignored
+from hotswap.weight_sync.receiver import Landing
 
 if TYPE_CHECKING:
     from hotswap.engine.executor.model_runner import ModelRunner
@@ -30,6 +34,7 @@ class Standby:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.flat: torch.Tensor | None = None
+        self.landing = Landing()  # kept too: fresh pages would be faulted in by the receive
         self._lock = threading.Lock()
 
     @property
@@ -43,11 +48,24 @@ class Standby:
     def release(self) -> None:
         self._lock.release()
 
+    @contextlib.contextmanager
+    def borrow_landing(self) -> Iterator[Landing]:
+        """The kept landing buffers for an update received in place, or one-off ones while an
+        update holds the standby."""
+        if not self.acquire():
+            yield Landing()
+            return
+        try:
+            yield self.landing
+        finally:
+            self.release()
+
     def free(self) -> None:
         """Give the buffer's memory back (release_memory_occupation), unless an update holds
         it; the next update allocates it again."""
         if self.acquire():
             self.flat = None
+            self.landing.free()
             self.release()
 
     def live(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

@@ -382,10 +382,10 @@ class WeightManager:
             return self._piece(landed.names, landed.install, source, release=landed.drop)
 
         def in_place() -> None:
-            with one_thread():
+            with one_thread(), self.standby.borrow_landing() as landing:
                 receive_in_place(group, self.runner.weight_map, names, dtypes, shapes,
                                  load_format, self.runner.config.check_weights_finite,
-                                 self.runner.device, stages)
+                                 self.runner.device, stages, landing)
 
         return self._piece(names, in_place, source, discard=lambda: discard_tensors(
             group, names, dtypes, shapes, load_format))

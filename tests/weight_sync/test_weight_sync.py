@@ -35,6 +35,7 @@ from hotswap.weight_sync import (
 )
 from hotswap.weight_sync.bucket import TensorSpec, buckets_from_counts
 from hotswap.weight_sync.group import free_port
+from hotswap.weight_sync.receiver import Landing
 
 TIMEOUT_S = 10.0
 F32, BF16 = torch.float32, torch.bfloat16
@@ -473,3 +474,109 @@ def test_contiguous_destinations_are_received_as_one_span():
     assert _contiguous_span([b, a], torch.device("cpu")) is None  # out of order
     assert _contiguous_span([a, torch.zeros(6)], torch.device("cpu")) is None  # other storage
     assert _contiguous_span([a, None], torch.device("cpu")) is None
+
+
+def _ties(n: int) -> torch.Tensor:
+    """fp32 values exactly halfway between two bf16 values, both parities: rounding to nearest
+    even goes down for half of them and up for the others (truncation would not)."""
+    low = torch.arange(0x3F80, 0x3F80 + n, dtype=torch.int32) << 16
+    return (low | 0x8000).view(torch.float32)
+
+
+class ConvertingTarget:
+    """An engine stand-in keeping bf16 weights, fed fp32 (and bf16) tensors: it receives into
+    its weights through one kept Landing. flat: the weights lie back to back in one buffer, in
+    the order sent (a bucket's span is converted at once); else each is its own tensor.
+    `weights_dtype` (an Engine's attribute) is set by the tests that want the sender to see it;
+    `sent` keeps the dtypes each update announced."""
+
+    def __init__(self, params: dict[str, torch.Tensor], flat: bool = True) -> None:
+        storage = torch.empty(sum(t.numel() for t in params.values()), dtype=BF16)
+        self.params, offset = {}, 0
+        for name, t in params.items():
+            self.params[name] = (storage[offset: offset + t.numel()].view(t.shape) if flat
+                                 else torch.empty(t.shape, dtype=BF16))
+            offset += t.numel()
+        self.landing = Landing()
+        self.sent: list[list[str]] = []
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name, backend):
+        init_process_group(master_address, master_port, rank_offset, world_size, group_name,
+                           backend, timeout_s=TIMEOUT_S)
+        return {"success": True, "message": ""}
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version,
+                                        flush_cache, pause_mode, load_format):
+        self.sent.append(list(dtypes))
+        received = receive_tensors(get_group(group_name, 1), names, dtypes, shapes, load_format,
+                                   into=self.params, landing=self.landing)
+        assert all(t is self.params[n] for n, t in received)
+        return {"success": True, "message": "", "weight_version": weight_version}
+
+    def destroy_weights_update_group(self, group_name):
+        destroy_group(group_name, 1)
+        return {"success": True, "message": ""}
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["one-buffer", "separate"])
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_fp32_tensors_land_in_bf16_weights_rounded_as_torch_rounds(port, load_format, flat):
+    new = make_params(1)
+    new["lm_head.weight"] = torch.cat([_ties(64), torch.randn(64)]).view(16, 8)
+    target = ConvertingTarget(new, flat)
+    sender = WeightSender("127.0.0.1", port, 2, bucket_bytes=1024, timeout_s=TIMEOUT_S)
+    try:
+        sender.send(new, [target], weight_version="v1", load_format=load_format)
+        for name, tensor in new.items():
+            assert torch.equal(target.params[name], tensor.to(BF16)), name
+        assert target.landing.nbytes > 0  # the fp32 tensors landed in the caller's buffers
+        newer = {n: t * 3 for n, t in new.items()}
+        sender.send(newer, [target], weight_version="v2", load_format=load_format)
+        for name, tensor in newer.items():
+            assert torch.equal(target.params[name], tensor.to(BF16)), name
+    finally:
+        sender.close([target])
+
+
+def test_a_destination_of_a_non_float_dtype_is_refused(port):
+    group = init_process_group("127.0.0.1", port, 0, 1, "int-dest", "gloo", timeout_s=1.0)
+    try:
+        with pytest.raises(ValueError, match="destination of 'w' is torch.int32"):
+            receive_tensors(group, ["w"], ["float32"], [[4]],
+                            into={"w": torch.zeros(4, dtype=torch.int32)})
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_targets_reporting_bf16_weights_get_fp32_tensors_rounded_before_the_wire(
+        port, load_format):
+    new = make_params(1)
+    new["lm_head.weight"] = torch.cat([_ties(64), torch.randn(64)]).view(16, 8)
+    target = ConvertingTarget(new)
+    target.weights_dtype = "bfloat16"
+    sender = WeightSender("127.0.0.1", port, 2, bucket_bytes=1024, timeout_s=TIMEOUT_S)
+    try:
+        sender.send(new, [target], load_format=load_format)
+        assert target.sent == [["bfloat16"] * len(new)]
+        assert sender.last_push["bytes"] == sum(t.numel() * 2 for t in new.values())
+        for name, tensor in new.items():
+            assert torch.equal(target.params[name], tensor.to(BF16)), name
+        assert target.landing.nbytes == 0  # nothing to convert on arrival
+    finally:
+        sender.close([target])
+
+
+def test_tensors_are_never_widened_to_the_targets_dtype(port):
+    new = make_params(1)
+    target = FakeTarget(make_params(0), direct=True)
+    target.weights_dtype = "float32"
+    target.params = {n: t.clone() for n, t in new.items()}
+    sender = WeightSender("127.0.0.1", port, 2, bucket_bytes=1024, timeout_s=TIMEOUT_S)
+    try:
+        sender.send(new, [target])
+        assert sender.last_push["bytes"] == sum(t.nbytes for t in new.values())
+        assert_same(target.params, new)  # the bf16 tensors arrived as bf16
+    finally:
+        sender.close([target])
