@@ -140,7 +140,6 @@ class OutputProcessor:
                                       else req.routed_experts.numpy())
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
-
     @staticmethod
     def build_scores(req: Req) -> dict[str, Any]:
         """A classify request's output (docs/api.md#scoring); scores are None when it was
