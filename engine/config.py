@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+CAUSAL_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Reward models: the decoder of the same family with a `score` head (docs/api.md#scoring).
+SCORING_HEADS = ("ForSequenceClassification", "ForTokenClassification")
+SCORING_ARCHITECTURES = tuple(f"{family}{head}" for family in ("Llama", "Qwen2", "Qwen3")
+                              for head in SCORING_HEADS)
+SUPPORTED_ARCHITECTURES = CAUSAL_ARCHITECTURES + SCORING_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "int8")
 SPECULATIVE = (None, "ngram", "self")
@@ -65,6 +70,9 @@ class ModelConfig:
     # The attention window the checkpoint's attention uses (Mistral-style sliding window), or
     # None for full attention. Not implemented: the engine's context stops at it instead.
     sliding_window: int | None = None
+    # A reward model's score head (hidden -> num_labels); 0 for a model that generates.
+    num_labels: int = 0
+    score_bias: bool = False  # *ForTokenClassification's head has a bias unless told otherwise
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -84,6 +92,7 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        family = arch.split("For")[0]  # Llama, Qwen2, Qwen3, Qwen3Moe, Mixtral
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -100,12 +109,13 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qkv_bias=family == "Qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family in ("Qwen3", "Qwen3Moe"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             sliding_window=_sliding_window(cfg),
             **_moe_fields(arch, cfg),
+            **_score_fields(arch, cfg),
         )
 
     @classmethod
@@ -115,6 +125,14 @@ class ModelConfig:
             raise ValueError(f"no config.json in model_path {model_path!r}")
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+    @property
+    def task(self) -> str:
+        """"generate", "classify" (*ForSequenceClassification) or "token_classify"."""
+        if not self.num_labels:
+            return "generate"
+        return "token_classify" if self.architecture.endswith("ForTokenClassification") else (
+            "classify")
 
     @property
     def q_size(self) -> int:
@@ -144,6 +162,19 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     if window is None or not cfg.get("use_sliding_window", True):
         return None
     return int(window)
+
+
+def _score_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A reward model's head from an HF config.json: num_labels (HF writes id2label; its default
+    is 2) and whether the head has a bias (HF's token_classification_bias, default True)."""
+    if arch not in SCORING_ARCHITECTURES:
+        return {}
+    labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
+    if not isinstance(labels, int) or labels < 1:
+        raise ValueError(f"config.json: num_labels must be a positive integer, got {labels!r}")
+    bias = arch.endswith("ForTokenClassification") and cfg.get(
+        "token_classification_bias") is not False
+    return dict(num_labels=labels, score_bias=bias)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from hotswap.engine.client.protocol import (
     memory_tags,
     resolve_commit,
 )
-from hotswap.engine.client.request import DistributedUpdate, GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, DistributedUpdate, GenerateRequest
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.namespace import ServingVersion
 from hotswap.engine.core.request import Req
@@ -53,6 +53,8 @@ class Engine(PrefillDecodeRoles, EngineClient):
             attention_backend=attention_backend, enable_prefix_cache=enable_prefix_cache,
             seed=seed, deterministic=deterministic, **kwargs).resolve(model_config)
         self.config, self.launch = resolve_launch(self.config)
+        if model_config.num_labels and self.config.tp_size > 1:
+            raise ValueError("a reward model runs with tp_size=1 (its score head is not sharded)")
         self.model_config = model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.runner = _in_own_thread(lambda: make_runner(self.config, model_config))
@@ -68,7 +70,7 @@ class Engine(PrefillDecodeRoles, EngineClient):
             self.tokenizer, model_config.vocab_size, self.config.context_length,
             self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
             self.loras.check_name, self.scheduler.sessions.known,
-            self.config.enable_return_routed_experts)
+            self.config.enable_return_routed_experts, model_config.num_labels)
         self._init_roles()
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
@@ -131,13 +133,23 @@ class Engine(PrefillDecodeRoles, EngineClient):
                               ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_role("generate", "prefill")
         reqs, single = self.requests.build(request)
+        events = self._submit_async(reqs)
+        if request.stream:
+            return self._astream(reqs, events)
+        return await self._gather(reqs, single, events)
+
+    def _submit_async(self, reqs: list[Req]) -> asyncio.Queue[dict]:
+        """Submit `reqs`; their outputs arrive on the returned queue, in the caller's loop."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[dict] = asyncio.Queue()
         for req in reqs:
             req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         self.scheduler.submit(reqs)
-        if request.stream:
-            return self._astream(reqs, events)
+        return events
+
+    async def _gather(self, reqs: list[Req], single: bool, events: asyncio.Queue[dict]
+                      ) -> dict | list[dict]:
+        """The final outputs of `reqs`, in order; the requests are aborted if the wait is."""
         finals = {}
         try:
             while len(finals) < len(reqs):
@@ -149,6 +161,14 @@ class Engine(PrefillDecodeRoles, EngineClient):
                     self.abort_request(req.rid)
         outs = [finals[r.rid] for r in reqs]
         return outs[0] if single else outs
+
+    def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        reqs, single = self.requests.build_classify(request)
+        return self._run(reqs, single, False)
+
+    async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        reqs, single = self.requests.build_classify(request)
+        return await self._gather(reqs, single, self._submit_async(reqs))
 
     async def _astream(self, reqs: list[Req], events: asyncio.Queue) -> AsyncIterator[dict]:
         done = 0

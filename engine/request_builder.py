@@ -1,4 +1,5 @@
-"""RequestBuilder: turns the arguments of Engine.generate into validated, tokenized Reqs.
+"""RequestBuilder: turns the arguments of Engine.generate (and classify) into validated,
+tokenized Reqs.
 
 Everything is checked and tokenized before anything is submitted, so one bad prompt in a batch
 raises ValueError and no request of that batch runs.
@@ -11,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hotswap.engine.client.request import GenerateRequest
-from hotswap.engine.core.request import Req
+from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
+from hotswap.engine.core.request import Req, Scoring
 from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.grammar.manager import GrammarManager
 
@@ -28,10 +29,15 @@ class RequestBuilder:
     check_lora: Callable[[str | None], None]
     session_known: Callable[[str], bool]
     routed_experts: bool = False  # the engine may return routed experts (an MoE model)
+    num_labels: int = 0  # a reward model's classes; 0: the model generates
 
     def build(self, request: GenerateRequest) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs.
         One Req per (prompt, sample); whether the call gave a single prompt with n=1."""
+        if self.num_labels:
+            raise ValueError("this is a reward model (a *ForSequenceClassification or "
+                             "*ForTokenClassification checkpoint): it scores, it does not "
+                             "generate; call classify")
         self.check_servable()
         rows, single = request.split()
         if request.return_routed_experts and not self.routed_experts:
@@ -59,26 +65,50 @@ class RequestBuilder:
                 leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
 
-    def _prompt_ids(self, row: GenerateRequest) -> list[int]:
+    def build_classify(self, request: ClassifyRequest) -> tuple[list[Req], bool]:
+        """classify's Reqs, one per prompt, everything checked first; whether the call gave a
+        single prompt."""
+        if not self.num_labels:
+            raise ValueError("classify needs a reward model (a *ForSequenceClassification or "
+                             "*ForTokenClassification checkpoint); this model generates")
+        self.check_servable()
+        rows, single = request.split()
+        classes = request.returned_token_ids
+        if classes is not None and max(classes) >= self.num_labels:
+            raise ValueError(f"returned_token_ids must be class indices in [0, "
+                             f"{self.num_labels}), got {max(classes)}")
+        scoring = Scoring(request.activation, request.per_token, request.step_tag_id,
+                          None if classes is None else tuple(classes))
+        idle = SamplingParams(max_new_tokens=0)
+        reqs = []
+        for row in rows:
+            ids = self._prompt_ids(row, generation_prompt=False)
+            self._check_ids(ids)
+            reqs.append(Req(rid=row.rid, prompt_ids=ids, params=idle, cache_salt=row.cache_salt,
+                            scoring=scoring, created=time.perf_counter()))
+        return reqs, single
+
+    def _prompt_ids(self, row: GenerateRequest | ClassifyRequest,
+                    generation_prompt: bool = True) -> list[int]:
         if row.kind == "prompt":
             return self._encode(row.prompt)
         if row.kind == "input_ids":
             return list(row.input_ids)
-        return self._chat(row.messages)
+        return self._chat(row.messages, generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("prompt is empty")
         return self.tokenizer.encode(text)
 
-    def _chat(self, conversation: list[dict]) -> list[int]:
+    def _chat(self, conversation: list[dict], generation_prompt: bool) -> list[int]:
         for m in conversation:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string 'role' and a string 'content'")
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use prompt=")
         ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=generation_prompt)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _check_session(self, session: str | None, sp: SamplingParams) -> None:
@@ -91,6 +121,11 @@ class RequestBuilder:
             raise ValueError("session_id: a session is one conversation; n must be 1")
 
     def _check_request(self, ids: list[int], sp: SamplingParams, lora: str | None) -> None:
+        self._check_ids(ids)
+        sp.check_vocab(self.vocab_size)
+        self.check_lora(lora)
+
+    def _check_ids(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.vocab_size
@@ -102,5 +137,3 @@ class RequestBuilder:
         if len(ids) + 1 > self.kv_tokens():
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
                              f"{self.kv_tokens()}")
-        sp.check_vocab(vocab)
-        self.check_lora(lora)

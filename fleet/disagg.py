@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hotswap.engine.client.protocol import KV_TRANSPORTS
-from hotswap.engine.client.request import GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.fleet.coordinator import Coordinator, Member
 from hotswap.fleet.dispatch import ReplicaGone
 from hotswap.fleet.replica import EngineReplica
@@ -187,6 +187,13 @@ class PDRouter(Coordinator):
                               ) -> dict | list[dict] | AsyncIterator[dict]:
         out = await asyncio.to_thread(lambda: self._generate(request))
         return _async_events(out) if request.stream else out
+
+    def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        raise ValueError("classify: a prefill/decode pair serves a model that generates; "
+                         "serve a reward model on its own engine, Router or RayFleet")
+
+    async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        return self._classify(request)
 
     def _row(self, row: GenerateRequest) -> Any:
         """One prompt (and its n samples): prefill, hand off, decode; resubmitted when a

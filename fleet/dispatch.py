@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hotswap.engine.client.request import GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.fleet.affinity import PrefixAffinity, affinity_key
 from hotswap.fleet.placement import Placement, Replica
 from hotswap.fleet.replica_client import ReplicaClient, died, ray_module
@@ -165,6 +165,25 @@ class Dispatcher:
         if failure is not None:
             raise failure
         return [out for i in range(len(rows)) for out in results[i]]
+
+    def classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        """A classify call on one replica, chosen as a generate row of its first prompt is
+        (the replica holding that prefix, else the least loaded); if the replica dies, the
+        call runs again on another, at most RESUBMITS times. Bad input raises here first."""
+        first = request.split()[0][0]
+        route = GenerateRequest(**{first.kind: first.value})
+        exclude: set[int] = set()
+        while True:
+            replica = self._choose(route, exclude)
+            try:
+                return replica.client.classify(**request.body())
+            except Exception as exc:
+                if not died(exc) or len(exclude) >= RESUBMITS:
+                    raise
+                self._lost(replica, type(exc).__name__)
+                exclude.add(replica.index)
+            finally:
+                self._settle(replica, [route], None)
 
     def _abort_rows(self, rows: list[Row]) -> None:
         for row in rows:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hotswap.engine.client.protocol import resolve_commit
-from hotswap.engine.client.request import GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.fleet.affinity import PrefixAffinity
 from hotswap.fleet.coordinator import Coordinator, Member
 from hotswap.fleet.dispatch import Dispatcher, ReplicaGone, async_events
@@ -206,6 +206,15 @@ class RayFleet(Coordinator):
         if not request.stream:
             return await loop.run_in_executor(self._pool, lambda: self._generate(request))
         return async_events(self._generate(request), loop, self._pool)
+
+    # scoring: one replica scores a call (dispatch.py)
+
+    def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        return self._dispatch.classify(request)
+
+    async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: self._classify(request))
 
     # sessions: each stays on the replica that opened it (a row of a session whose replica
     # died runs elsewhere, without the pin)

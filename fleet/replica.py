@@ -30,7 +30,7 @@ Packed = list[tuple[str, str, tuple[int, ...], np.ndarray]]
 
 # Calls the fleet forwards by name (ReplicaClient spells out one method for each): the engine
 # interface, minus generation and what the replica implements itself, plus its load.
-FORWARDED = (interface_methods() - {"generate", "async_generate", "shutdown",
+FORWARDED = (interface_methods() - {"generate", "async_generate", "async_classify", "shutdown",
                                     "weight_sync_ranks"}) | {"get_load"} | handoff_methods()
 
 

@@ -83,6 +83,10 @@ class ReplicaClient:
     def update_tensors(self, packed: Any, *args: Any, **kwargs: Any) -> dict:
         return self.get(self.actor.update_tensors.remote(packed, *args, **kwargs))
 
+    # scoring (RayFleet.classify: one replica scores a call)
+
+    classify = _forwarded(EngineClient.classify)
+
     # serving state
 
     abort_request = _forwarded(EngineClient.abort_request)

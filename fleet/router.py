@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from hotswap.engine.client.remote import RemoteEngine
-from hotswap.engine.client.request import GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.fleet.affinity import Key, PrefixAffinity, affinity_key
 from hotswap.fleet.coordinator import Coordinator, Member, ServersDisagree
 from hotswap.weight_sync.serialize import serialize_named_tensors
@@ -181,6 +181,22 @@ class Router(Coordinator):
         try:
             async for event in events:
                 yield event
+        finally:
+            self.done(server)
+
+    # scoring: a call's prompts go to one server, chosen by the first prompt like generate's
+
+    def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        server = self.choose(affinity_key("/generate", request.body()))
+        try:
+            return self.engines[server].classify(**request.body())
+        finally:
+            self.done(server)
+
+    async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        server = self.choose(affinity_key("/generate", request.body()))
+        try:
+            return await self.engines[server].async_classify(**request.body())
         finally:
             self.done(server)
 

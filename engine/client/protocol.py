@@ -3,7 +3,7 @@
 `Engine` (in-process), `RemoteEngine` (one server over HTTP), `hotswap.fleet.Router` (several
 servers) and `hotswap.fleet.RayFleet` implement `EngineClient` with these exact signatures; a
 conformance test runs the same calls against each. The methods that take a request
-(generate, the distributed update) are made from its definition in request.py; an
+(generate, classify, the distributed update) are made from its definition in request.py; an
 implementation writes their `_name(request)` counterpart. Code that takes an engine
 (TokenClient, the rollout loops, the adapters, WeightSender targets) takes any of them.
 
@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from hotswap.engine.client.request import DistributedUpdate, GenerateRequest, request_method
+from hotswap.engine.client.request import (
+    ClassifyRequest,
+    DistributedUpdate,
+    GenerateRequest,
+    request_method,
+)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Where a distributed update lands: "standby" beside the live weights (refused before any write),
@@ -32,6 +37,8 @@ MAX_N = 1024  # samples per prompt; larger fan-outs belong in the rollout layer
 MEMORY_TAGS = ("weights", "kv_cache")
 # How a prefill engine's KV reaches a decode engine (docs/fleet.md#prefill-and-decode).
 KV_TRANSPORTS = ("inline", "shm", "group")
+# The server's native route for classify (its body: ClassifyRequest's fields), RemoteEngine's.
+CLASSIFY_PATH = "/classify_native"
 
 
 def check_pause_mode(mode: Any, what: str = "pause_mode") -> str:
@@ -95,6 +102,24 @@ class EngineClient(ABC):
     async def _async_generate(self, request: GenerateRequest
                               ) -> dict | list[dict] | AsyncIterator[dict]:
         """async_generate's work, given the request it was called with."""
+
+    # scoring (a reward model: docs/api.md#scoring)
+
+    classify = request_method("classify", ClassifyRequest, doc="""
+        A reward model's scores: per prompt {"scores": [num_labels floats], "meta_info"}, from
+        the sequence's last token (raw values unless activation); a dict for one prompt.
+        Prefill only, through the prefix cache. ValueError on a model that generates. The
+        arguments are ClassifyRequest's fields (engine/client/request.py).""")
+    async_classify = request_method("async_classify", ClassifyRequest, asynchronous=True,
+                                    doc="""As classify.""")
+
+    @abstractmethod
+    def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        """classify's work, given the request it was called with."""
+
+    @abstractmethod
+    async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        """async_classify's work."""
 
     @abstractmethod
     def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:

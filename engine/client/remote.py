@@ -18,12 +18,13 @@ import httpx
 import numpy as np
 
 from hotswap.engine.client.protocol import (
+    CLASSIFY_PATH,
     EngineClient,
     HandoffClient,
     decode_outputs,
     routes_to_json,
 )
-from hotswap.engine.client.request import DistributedUpdate, GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, DistributedUpdate, GenerateRequest
 from hotswap.engine.errors import RemoteEngineError, WeightsIncompleteError
 from hotswap.weight_sync.serialize import serialize_named_tensors
 
@@ -102,6 +103,17 @@ class RemoteEngine(EngineClient, HandoffClient):
                     return
                 if event is not None:
                     yield decode_outputs(event)
+
+    # scoring: the native route takes ClassifyRequest's fields
+
+    def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        return self._call("POST", CLASSIFY_PATH, request.body())
+
+    async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        response = await self._async_client().post(CLASSIFY_PATH, json=request.body(),
+                                                    headers=self._headers(False))
+        _raise_for_error(response.status_code, response.content)
+        return response.json()
 
     def _async_client(self) -> httpx.AsyncClient:
         # An AsyncClient belongs to the loop it first ran on.

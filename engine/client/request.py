@@ -6,8 +6,9 @@ signatures of `generate`, `async_generate`, `prefill` and `generate_from_handoff
 its fields (`request_method`), so Engine, RemoteEngine, Router, RayFleet, PDRouter and the Ray
 replica client take the same keywords without spelling them out, and the HTTP routes' bodies
 are its fields too. A new argument is one field here, plus its handling where it is used.
-`DistributedUpdate` does the same for update_weights_from_distributed and
-prepare_weights_from_distributed.
+`ClassifyRequest` does the same for classify and async_classify (a reward model's scores),
+sharing the prompt inputs and their split into rows (`PromptRequest`). `DistributedUpdate` does
+the same for update_weights_from_distributed and prepare_weights_from_distributed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import inspect
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 PROMPT_INPUTS = ("prompt", "input_ids", "messages")  # exactly one is given
 MAX_TOP_LOGPROBS = 100
@@ -44,27 +45,10 @@ class Request:
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
-@dataclass(frozen=True)
-class GenerateRequest(Request):
-    POSITIONAL: ClassVar[tuple[str, ...]] = ("prompt", "sampling_params", "input_ids")  # SGLang's
-
-    prompt: str | list[str] | None = None
-    sampling_params: dict | list[dict] | None = _per_prompt(dict)
-    input_ids: list[int] | list[list[int]] | None = None
-    # chat messages (a conversation, or a list of them); the chat template is applied
-    messages: list[dict] | list[list[dict]] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    lora_name: str | list[str | None] | None = _per_prompt(str)  # None: the base model
-    cache_salt: str | list[str | None] | None = _per_prompt(str)  # other salts share no KV
-    rid: str | list[str | None] | None = _per_prompt(str)  # generated when absent
-    stream: bool = False
-    # MoE models: meta_info["routed_experts"] (docs/moe.md)
-    return_routed_experts: bool = False
-    # an open session's (open_session): the turn's KV stays pinned after it
-    session_id: str | list[str | None] | None = _per_prompt(str)
-
-    # one request per prompt
+class PromptRequest(Request):
+    """A request given prompts (PROMPT_INPUTS, exactly one): generate's and classify's. Each
+    subclass has the fields prompt, input_ids, messages and rid, per-prompt fields marked with
+    _per_prompt, and checks its per-call fields in _check_call_fields."""
 
     @property
     def kind(self) -> str:
@@ -74,7 +58,7 @@ class GenerateRequest(Request):
             raise ValueError("give exactly one of prompt, input_ids, messages")
         return given[0]
 
-    def split(self) -> tuple[list[GenerateRequest], bool]:
+    def split(self) -> tuple[list[Self], bool]:
         """One request per prompt, its per-prompt fields single values and its rid set, after
         the checks that need no model; and whether the call gave one prompt (not a list), so
         that its output is a dict, not a list. Raises ValueError naming the field."""
@@ -94,7 +78,7 @@ class GenerateRequest(Request):
         return rows, single
 
     @classmethod
-    def join(cls, rows: list[GenerateRequest]) -> GenerateRequest:
+    def join(cls, rows: list[Self]) -> Self:
         """Rows of one call (split's, same prompt input and per-call fields) as one request
         for a list of prompts."""
         first = rows[0]
@@ -109,6 +93,30 @@ class GenerateRequest(Request):
     def value(self) -> Any:
         """A row's prompt: its text, token ids or conversation."""
         return getattr(self, self.kind)
+
+    def _check_call_fields(self) -> None:
+        """Raises ValueError naming a per-call field of the wrong type or range."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest(PromptRequest):
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("prompt", "sampling_params", "input_ids")  # SGLang's
+
+    prompt: str | list[str] | None = None
+    sampling_params: dict | list[dict] | None = _per_prompt(dict)
+    input_ids: list[int] | list[list[int]] | None = None
+    # chat messages (a conversation, or a list of them); the chat template is applied
+    messages: list[dict] | list[list[dict]] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    lora_name: str | list[str | None] | None = _per_prompt(str)  # None: the base model
+    cache_salt: str | list[str | None] | None = _per_prompt(str)  # other salts share no KV
+    rid: str | list[str | None] | None = _per_prompt(str)  # generated when absent
+    stream: bool = False
+    # MoE models: meta_info["routed_experts"] (docs/moe.md)
+    return_routed_experts: bool = False
+    # an open session's (open_session): the turn's KV stays pinned after it
+    session_id: str | list[str | None] | None = _per_prompt(str)
 
     @property
     def samples(self) -> int:
@@ -128,6 +136,45 @@ class GenerateRequest(Request):
         top = self.top_logprobs_num
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+
+
+@dataclass(frozen=True)
+class ClassifyRequest(PromptRequest):
+    """classify's arguments: prompts scored by a reward model (docs/api.md#scoring). A sequence's
+    scores come from its last token; per-token scores (return_token_scores, or step_tag_id's
+    steps) need every position's hidden state, so such a request reads no cached prefix."""
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("prompt", "input_ids", "messages")
+
+    prompt: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    # chat messages (a conversation, or a list of them); the reward model's chat template
+    messages: list[dict] | list[list[dict]] | None = None
+    # False: raw values; True: sigmoid for one class, softmax over the classes otherwise
+    activation: bool = False
+    return_token_scores: bool = False  # "token_scores": one row per prompt token
+    # "step_scores": one row per position whose token is step_tag_id (vLLM's STEP pooling)
+    step_tag_id: int | None = None
+    # the classes returned (columns of every row, in this order; activation over them); None: all
+    returned_token_ids: list[int] | None = None
+    cache_salt: str | list[str | None] | None = _per_prompt(str)  # other salts share no KV
+    rid: str | list[str | None] | None = _per_prompt(str)  # generated when absent
+
+    @property
+    def per_token(self) -> bool:
+        return self.return_token_scores or self.step_tag_id is not None
+
+    def _check_call_fields(self) -> None:
+        for name in ("activation", "return_token_scores"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        tag = self.step_tag_id
+        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool) or tag < 0):
+            raise ValueError("step_tag_id must be a non-negative integer (a token id)")
+        classes = self.returned_token_ids
+        if classes is not None and not (_ids(classes) and min(classes) >= 0):
+            raise ValueError("returned_token_ids must be a non-empty list of non-negative "
+                             "integers (class indices)")
 
 
 @dataclass(frozen=True)

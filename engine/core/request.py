@@ -70,6 +70,24 @@ class VersionSpan:
     adapter_version: int | None = None  # the LoRA adapter's version, for adapter requests
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What a classify request asks of its prompt's hidden states (docs/api.md#scoring)."""
+
+    activation: bool = False  # sigmoid for one class, softmax over several; False: raw values
+    per_token: bool = False  # every position's scores, not only the last token's
+    step_tag_id: int | None = None  # per-token rows only at positions holding this token
+    returned_ids: tuple[int, ...] | None = None  # the classes kept, in this order
+
+    def finish(self, scores: torch.Tensor) -> torch.Tensor:
+        """Rows of raw scores [n, num_labels] as returned: classes picked, activation applied."""
+        if self.returned_ids is not None:
+            scores = scores[:, list(self.returned_ids)]
+        if not self.activation:
+            return scores
+        return scores.sigmoid() if scores.shape[-1] == 1 else scores.softmax(-1)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas; holds back incomplete UTF-8 sequences."""
 
@@ -124,6 +142,12 @@ class Req:
     # fed so far; kept from before a retraction (the positions then computed), completed from
     # the KV pool when the request finishes
     routed_experts: torch.Tensor | None = None
+    # A classify request (a reward model): prefill only; its scores are the last token's
+    # [num_labels] float32 row and, for per-token requests, every computed chunk's rows.
+    scoring: Scoring | None = None
+    scores: torch.Tensor | None = None
+    scored_version: str | None = None  # the weight version that computed them
+    token_scores: list[torch.Tensor] = field(default_factory=list)
 
     # KV state, owned by the scheduler
     namespace: Namespace | None = None

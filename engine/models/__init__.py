@@ -6,7 +6,7 @@ import importlib
 
 from torch import nn
 
-from hotswap.engine.config import ModelConfig
+from hotswap.engine.config import SCORING_ARCHITECTURES, ModelConfig
 
 _REGISTRY = {
     "LlamaForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",
@@ -14,6 +14,7 @@ _REGISTRY = {
     "Qwen3ForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "hotswap.engine.models.moe:MoeForCausalLM",
     "MixtralForCausalLM": "hotswap.engine.models.moe:MoeForCausalLM",
+    **{arch: "hotswap.engine.models.reward:LlamaForScoring" for arch in SCORING_ARCHITECTURES},
 }
 
 

@@ -77,7 +77,10 @@ class KVManager:
         return self.tree.cached_len(ns, self._matchable(req))
 
     def _matchable(self, req: Req) -> list[int]:
-        # At least one token is always recomputed: its logits sample the next token.
+        # At least one token is always recomputed: its logits sample the next token (or give a
+        # classify request its scores). Per-token scores need every position computed.
+        if req.scoring is not None and req.scoring.per_token:
+            return []
         ids = req.fill_ids
         return ids[: len(ids) - 1]
 

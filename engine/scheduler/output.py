@@ -6,6 +6,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from hotswap.engine.core.request import FinishReason, IncrementalDetokenizer, Req, VersionSpan
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,9 @@ class OutputProcessor:
         """
         if req.sink is None:
             return True
-        if req.stream:
+        if req.scoring is not None:
+            event = self.build_scores(req)
+        elif req.stream:
             event = self._stream_delta(req)
         elif req.finished:
             event = self.build(req, self.final_text(req), req.output_ids, req.output_logprobs,
@@ -135,6 +139,34 @@ class OutputProcessor:
             meta["routed_experts"] = (None if req.routed_experts is None
                                       else req.routed_experts.numpy())
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    @staticmethod
+    def build_scores(req: Req) -> dict[str, Any]:
+        """A classify request's output (docs/api.md#scoring); scores are None when it was
+        aborted."""
+        scoring = req.scoring
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": 0,
+            "cached_tokens": req.cached_tokens,
+            "weight_version": req.scored_version,
+            "num_retractions": req.num_retractions,
+            "e2e_latency": time.perf_counter() - req.created,
+        }
+        done = req.scores is not None
+        out: dict[str, Any] = {"scores": scoring.finish(req.scores[None])[0].tolist()
+                               if done else None}
+        if scoring.per_token:
+            rows = torch.cat(req.token_scores).cpu() if done else None
+            if scoring.step_tag_id is None:
+                out["token_scores"] = scoring.finish(rows).tolist() if done else None
+            else:
+                at = torch.tensor(req.prompt_ids) == scoring.step_tag_id
+                out["step_scores"] = scoring.finish(rows[at]).tolist() if done else None
+        out["meta_info"] = meta
+        return out
 
 
 def _span(span: VersionSpan) -> dict[str, Any]:

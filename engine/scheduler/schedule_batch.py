@@ -19,6 +19,14 @@ class BatchRow:
     # row's 1 + len(draft) positions samples (engine/speculative/verify.py)
     draft: list[int] = field(default_factory=list)
 
+    @property
+    def scored(self) -> int:
+        """Rows of the forward's output that belong to a classify request's row: every new
+        token of a per-token request, else the last token of its last chunk."""
+        if self.req.scoring is not None and self.req.scoring.per_token:
+            return self.extend
+        return int(self.samples)
+
 
 @dataclass
 class ScheduleBatch:
@@ -54,7 +62,9 @@ class ScheduleBatch:
             prefix.append(start)
             extend.append(row.extend)
             pool_rows.append(req.req_pool_idx)
-            if row.samples:
+            if row.req.scoring is not None:
+                logits_idx.extend(range(len(ids) - row.scored, len(ids)))
+            elif row.samples:
                 logits_idx.append(len(ids) - 1)
         fb = ForwardBatch.build(ids, torch.cat(slots), pool_rows, prefix, extend, logits_idx,
                                 device=device)

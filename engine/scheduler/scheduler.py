@@ -202,7 +202,7 @@ class Scheduler(SchedulerControl, StepOutputs):
                     self.kv.unpin_handoff(req)
                     self.outputs.emit(req)
                     continue
-                if req.params.max_new_tokens == 0:
+                if req.params.max_new_tokens == 0 and req.scoring is None:
                     self.finish(req, FinishReason("length"))
                     continue
                 if req.lora_name is not None and not self.lora.has(req.lora_name):
@@ -327,6 +327,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         self._keep_routes(req)
         self.kv.release(req)
         req.prefill_done = False
+        req.token_scores = []  # a scored request computes every position again
         req.num_retractions += 1
         if req.grammar is not None:  # recomputed from every kept token: the matcher agrees
             req.grammar.sync(len(req.output_ids))
@@ -366,7 +367,10 @@ class Scheduler(SchedulerControl, StepOutputs):
             logits = self.runner.forward(self._with_lora(batch))
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(r.extend for r in batch.rows if not r.req.prefill_done)
-        self._process(batch, logits, version, masks)
+        if self.runner.model_config.num_labels:  # a reward model: every row is a classify one
+            self._process_scores(batch, logits, version)
+        else:
+            self._process(batch, logits, version, masks)
         seconds = time.perf_counter() - start
         self.stats["step_s"] += seconds
         if self.spec is not None and decode_only:

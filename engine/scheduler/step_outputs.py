@@ -1,8 +1,9 @@
 """StepOutputs: what a forward step's logits become: sampled tokens appended to their requests,
-verify rows' kept drafts (engine/speculative/verify.py), logprobs, versions, finishes.
+verify rows' kept drafts (engine/speculative/verify.py), logprobs, versions, finishes; on a
+reward model, the classify requests' scores.
 
-Mixed into Scheduler, which provides the state below and `finish` and `_start_forks`; it runs
-on the scheduler thread, after the forward.
+Mixed into Scheduler, which provides the state below and `finish`, `retract`, `is_live` and
+`_start_forks`; it runs on the scheduler thread, after the forward.
 """
 
 from __future__ import annotations
@@ -85,6 +86,32 @@ class StepOutputs:
             self._emit(req, draft, next_ids[pos: pos + n], logprobs[pos: pos + n],
                        tops[pos: pos + n], version)
             pos += n
+
+    def _process_scores(self, batch: ScheduleBatch, scores: torch.Tensor, version: str) -> None:
+        """A reward model's step: each classify row takes its rows of `scores`, and a request
+        whose prompt is now computed finishes with them (it never samples)."""
+        all_finite = bool(torch.isfinite(scores).all())
+        first = 0
+        for row in batch.rows:
+            req, count = row.req, row.scored
+            part, first = scores[first: first + count], first + count
+            if not all_finite and not bool(torch.isfinite(part).all()):
+                self.kv.release(req, cache=False)
+                self.finish(req, FinishReason.aborted("non_finite", (
+                    f"the model produced non-finite scores (NaN or inf) under weight version "
+                    f"{version!r}; the request was stopped")))
+                continue
+            if req.scoring.per_token:
+                req.token_scores.append(part)
+            self.kv.cache_unfinished(req)
+            if not row.samples:
+                continue
+            if not self.is_live(req):  # earlier chunks ran under weights since replaced
+                self.retract(req)
+                continue
+            req.prefill_done = True
+            req.scores, req.scored_version = part[-1], version
+            self.finish(req, FinishReason("stop"))
 
     def _emit(self, req: Req, draft: list[int], tokens: list[int], logprobs: list[float],
               tops: list[Any], version: str) -> None:

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from hotswap.engine.client.protocol import STAGING_MODES
+from hotswap.engine.client.protocol import CLASSIFY_PATH, STAGING_MODES
 from hotswap.engine.config import EngineConfig
 from hotswap.engine.errors import WeightsIncompleteError
 from hotswap.engine.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -43,6 +43,7 @@ from hotswap.engine.server.metrics import CONTENT_TYPE
 from hotswap.engine.server.openai_api import Job, chat_job, completion_job, lora_for_model
 from hotswap.engine.server.protocol import (
     ChatCompletionRequest,
+    ClassifyBody,
     CloseSessionRequest,
     CompletionRequest,
     GenerateBody,
@@ -151,6 +152,16 @@ async def generate(state: State, body: GenerateBody, request: Request) -> Respon
     for o in out if isinstance(out, list) else [out]:
         state.metrics.observe_output(o["meta_info"])
         shape_output(o, options, lambda t: decode([t]))
+    return json_response(out)
+
+
+@inference.post(CLASSIFY_PATH)
+async def classify(state: State, body: ClassifyBody, request: Request) -> Response:
+    """Engine.classify over HTTP: its arguments in, its outputs back (RemoteEngine's route)."""
+    out = await until_disconnect(request, state.engine.async_classify(
+        **body.model_dump(exclude_unset=True)))
+    if out is CLIENT_GONE:
+        return Response(status_code=499)
     return json_response(out)
 
 

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from hotswap.engine.client.protocol import MAX_N, PAUSE_MODES, STAGING_MODES
-from hotswap.engine.client.request import DistributedUpdate, GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, DistributedUpdate, GenerateRequest
 
 PauseMode = Literal[PAUSE_MODES]  # the engine's rules, so the OpenAPI schema shows them
 Staging = Literal[STAGING_MODES]
@@ -280,6 +280,9 @@ def request_body(name: str, request_type: type = GenerateRequest, drop: tuple[st
 _REFINED: dict[type, dict[str, Any]] = {
     GenerateRequest: {"input_ids": list[NonNegInt] | list[list[NonNegInt]] | None,
                       "top_logprobs_num": Int},
+    ClassifyRequest: {"input_ids": list[NonNegInt] | list[list[NonNegInt]] | None,
+                      "step_tag_id": NonNegInt | None,
+                      "returned_token_ids": list[NonNegInt] | None},
     DistributedUpdate: {"shapes": list[list[Int]], "pause_mode": PauseMode,
                         "load_format": Literal["flattened_bucket", "delta"] | None,
                         "staging": Staging | None}}
@@ -292,6 +295,10 @@ GenerateBody = request_body(
     logprob_start_len=(Int | None, None), token_ids_logprob=(Any, None),
     lora_path=(str | list[str | None] | None, None), custom_logit_processor=(Any, None),
     return_text_in_logprobs=(bool | None, None))
+
+
+# classify's native route: exactly Engine.classify's arguments.
+ClassifyBody = request_body("ClassifyRequest", ClassifyRequest)
 
 
 class OpenSessionRequest(Body):

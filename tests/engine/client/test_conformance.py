@@ -218,6 +218,10 @@ BAD_CALLS = {
     "missing adapter": lambda c: c.load_lora_adapter("x", "/nonexistent/adapter"),
     "unknown adapter": lambda c: c.unload_lora_adapter("never-loaded"),
     "unknown adapter in a request": lambda c: c.generate("x", GREEDY, lora_name="nope"),
+    # the fixture model generates: scoring is a reward model's (tests/engine/models)
+    "classify on a generating model": lambda c: c.classify(PROMPTS, activation=True),
+    "async classify on a generating model": lambda c: asyncio.run(
+        c.async_classify(input_ids=[1, 5, 9])),
 }
 
 
