@@ -18,7 +18,10 @@ import inspect
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # Python >= 3.11; the annotations are never evaluated
+    from typing import Self
 
 PROMPT_INPUTS = ("prompt", "input_ids", "messages")  # exactly one is given
 MAX_TOP_LOGPROBS = 100
