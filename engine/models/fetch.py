@@ -11,6 +11,7 @@ folder next to the destination, renamed into place at the end so a crash leaves 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -155,8 +156,14 @@ def write_hf_folder(gguf_path: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # In a log (make demo > log) the conversion's progress bars would be one long line of
+    # carriage returns; errors still raise.
+    with contextlib.ExitStack() as stack:
+        if not sys.stderr.isatty():
+            stack.enter_context(contextlib.redirect_stderr(stack.enter_context(
+                open(os.devnull, "w"))))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     eos_id = tokenizer.convert_tokens_to_ids(CHAT_END_TOKEN)
     if not tokenizer.chat_template or eos_id is None or eos_id == tokenizer.unk_token_id:
         raise FetchError(f"{name} has no chat template or no {CHAT_END_TOKEN} token")
