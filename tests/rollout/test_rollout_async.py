@@ -46,12 +46,17 @@ def varied(traj) -> float:
     return float(traj.sample_idx % 2)
 
 
-def test_staleness_bound_and_accounting_with_an_update_every_step(engine, model_path):
+def short_groups(engine) -> AsyncRollout:
+    """Groups of 2 samples of 24 tokens, 2 groups a batch, at most 1 version stale."""
     client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True,
                                            "max_new_tokens": 24})
     rows = [{"prompt": f"Numbers {i} and"} for i in range(5)]
-    runner = AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
-                          reward=varied, max_staleness=1)
+    return AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
+                        reward=varied, max_staleness=1)
+
+
+def test_staleness_bound_and_accounting_with_an_update_every_step(engine, model_path):
+    runner = short_groups(engine)
     with runner:
         for step in range(4):
             batch = runner.get_batch(timeout=120)
@@ -69,8 +74,7 @@ def test_staleness_bound_and_accounting_with_an_update_every_step(engine, model_
     acc = runner.accounting()
     assert acc["accepted"] == 8 and acc["running"] == 0 and adds_up(acc)
     with pytest.raises(TimeoutError):
-        AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
-                     max_staleness=0).get_batch(timeout=0.2)  # never started
+        short_groups(engine).get_batch(timeout=0.2)  # never started
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -187,11 +191,7 @@ def test_staleness_bound_with_step_labels_past_step_9(engine, model_path):
     """The README's labels (weight_version=f"step-{step}"): "step-10" is one version after
     "step-9", for the bound, the admission gate and the lags."""
     assert engine.update_weight_version("step-7")["success"]
-    client = TokenClient(engine, sampling={"temperature": 1.0, "ignore_eos": True,
-                                           "max_new_tokens": 24})
-    rows = [{"prompt": f"Numbers {i} and"} for i in range(5)]
-    runner = AsyncRollout(client, SingleTurn(), rows, group_size=2, batch_groups=2,
-                          reward=varied, max_staleness=1)
+    runner = short_groups(engine)
     with runner:
         for step in range(7, 11):
             batch = runner.get_batch(timeout=120)
@@ -199,7 +199,7 @@ def test_staleness_bound_with_step_labels_past_step_9(engine, model_path):
             lags = [step - step_of(v) for row in batch.weight_versions for v in row]
             assert all(0 <= lag <= 1 for lag in lags)  # never more than 1 behind
             assert batch.meta["staleness"]["max_lag"] == max(lags)
-            metrics = batch_metrics(batch, f"step-{step}", client.versions)
+            metrics = batch_metrics(batch, f"step-{step}", runner.client.versions)
             assert metrics["staleness/version_lag_max"] == max(lags)
             assert metrics["staleness/version_lag_mean"] == pytest.approx(sum(lags) / len(lags))
             acc = batch.meta["accounting"]
