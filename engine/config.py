@@ -5,7 +5,6 @@ Every "auto" value is resolved once, in `EngineConfig.resolve`; nobody mutates c
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -13,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+
+from hotswap.engine.cpu_features import read_cpu_flags
 
 CAUSAL_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                         "Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -29,13 +30,6 @@ ROLES = ("both", "prefill", "decode")
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # What bf16 costs without them (bench/throughput.py, batch 64, under HOTSWAP_CPU_ISA=avx2).
 BF16_EMULATED_COST = "a batch of 64 decodes ~3.5x slower than in float32"
-# HOTSWAP_CPU_ISA caps the CPU features hotswap sees, to take another CPU's code paths here:
-# "avx2" an AVX2-only CPU, "avx512" AVX-512 without BF16, VNNI or AMX
-# (docs/cpu.md#taking-another-cpus-paths-hotswap_cpu_isa).
-CPU_ISA_ENV = "HOTSWAP_CPU_ISA"
-CPU_ISAS = ("native", "avx512", "avx2")
-_ABOVE_AVX2 = ("avx512", "amx", "avx_", "avx10")  # flag prefixes: AVX-512, AMX, AVX-VNNI, ...
-_AVX512_BASE = ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl")  # -march=skylake-avx512
 
 logger = logging.getLogger(__name__)
 
@@ -455,36 +449,6 @@ def warn_emulated_bf16(device: str, dtype: str, cpu_flags: set[str] | None = Non
            f"emulated, {BF16_EMULATED_COST}; dtype='float32' (or 'auto') is faster here")
     logger.warning(why)
     return why
-
-
-def cpu_isa() -> str:
-    """HOTSWAP_CPU_ISA: "native" (unset), "avx512" or "avx2"."""
-    isa = os.environ.get(CPU_ISA_ENV, "").strip().lower() or "native"
-    if isa not in CPU_ISAS:
-        raise ValueError(f"{CPU_ISA_ENV}={isa!r}: expected one of {', '.join(CPU_ISAS)}")
-    return isa
-
-
-def read_cpu_flags() -> set[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty where it does not exist), less those
-    above HOTSWAP_CPU_ISA. Every CPU feature check of hotswap's reads them here."""
-    isa = cpu_isa()
-    if isa == "native":
-        return set(_proc_cpu_flags())
-    keep = _AVX512_BASE if isa == "avx512" else ()
-    return {f for f in _proc_cpu_flags() if not f.startswith(_ABOVE_AVX2) or f in keep}
-
-
-@functools.lru_cache(maxsize=1)
-def _proc_cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 # Backends whose kernels exist only for some KV dtypes (flashinfer has no float32 kernels).

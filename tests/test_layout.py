@@ -20,8 +20,8 @@ _EXECUTOR_SIDE = (f"{E}.executor", f"{E}.attention", f"{E}.layers", f"{E}.models
                   f"{E}.grammar", f"{E}.distributed", f"{E}.speculative")
 # The interface's rules (pause modes, MAX_N) sit in client.protocol and its requests in
 # client.request, which import nothing else.
-_BASE = (f"{E}.config", f"{E}.errors", f"{E}.core", f"{E}.client.protocol",
-         f"{E}.client.request")
+_BASE = (f"{E}.config", f"{E}.cpu_features", f"{E}.errors", f"{E}.core",
+         f"{E}.client.protocol", f"{E}.client.request")
 # Area (longest matching prefix wins) -> the hotswap modules it may import (prefixes).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "hotswap.weight_sync": ("hotswap.weight_sync",),
@@ -41,7 +41,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     f"{E}.client": (f"{E}.client", f"{E}.errors", "hotswap.weight_sync"),
     f"{E}.client.protocol": (f"{E}.client.request",),
     f"{E}.client.request": (),
-    f"{E}.config": (f"{E}.config", f"{E}.errors"),
+    f"{E}.config": (f"{E}.config", f"{E}.cpu_features", f"{E}.errors"),
+    f"{E}.cpu_features": (),
     f"{E}.errors": ("hotswap.weight_sync",),
     E: (E, "hotswap.weight_sync"),  # engine.py and the package root: anything in the engine
     # The fleet drives engines through the interface; its Ray replica actor holds an Engine.

@@ -14,7 +14,7 @@ kernels are compiled once (a C++ compiler and ninja, about a minute; `make setup
 by the sources' bytes, the compiler flags, torch's version and, for -march=native, the CPU: two
 checkouts of one version share a build, and no checkout or ISA evicts another's. Setup removes
 the builds no current source uses (remove_old_builds).
-HOTSWAP_CPU_ISA=avx2 or avx512 (config.cpu_isa) builds them for that ISA instead of the CPU's.
+HOTSWAP_CPU_ISA=avx2 or avx512 (cpu_features.cpu_isa) builds them for that ISA instead of the CPU's.
 Where they cannot be built, or with HOTSWAP_CPU_KERNELS=0, the torch-ops path runs instead (the
 same math, more ops) and the reason is logged once.
 """
@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from hotswap.engine.config import cpu_isa, read_cpu_flags
+from hotswap.engine.cpu_features import cpu_isa, read_cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.engine.config import read_cpu_flags
+from hotswap.engine.cpu_features import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.quant import QuantWeight, int8_linear, quantize_weight
 

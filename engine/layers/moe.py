@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hotswap.engine.config import read_cpu_flags
+from hotswap.engine.cpu_features import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.cpu_kernels import BLOCK, block_pack

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from hotswap.engine.config import read_cpu_flags
+from hotswap.engine.cpu_features import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)

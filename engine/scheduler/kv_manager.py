@@ -10,14 +10,16 @@ leaves. Pages never mix owners: `tree_prefix_len` is always a multiple of page_s
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hotswap.engine.core.forward_batch import flat_ranges
 from hotswap.engine.core.namespace import Namespace
 from hotswap.engine.core.request import Req
-from hotswap.engine.kvcache.handoff import HandoffRefused
+from hotswap.engine.kvcache.handoff import Exported, HandoffRefused
 from hotswap.engine.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from hotswap.engine.kvcache.radix_cache import RadixCache
 
@@ -154,6 +156,18 @@ class KVManager:
         self.tree.inc_lock_ref(match.last_node)
         req.handoff_lock = match.last_node
         return match.slots.numel()
+
+    def export_prompt(self, req: Req, pool: Any) -> None:
+        """A prefill engine's request hands its prompt's KV on (engine/kvcache/handoff.py):
+        read out of `pool` into req.kv_export."""
+        slots = req.kv_slots[: len(req.prompt_ids)]
+        if slots.numel() < len(req.prompt_ids):
+            return
+        start = time.perf_counter()
+        routes = pool.read_routes(slots) if pool.routes is not None else None
+        kv = pool.read_tokens(slots)
+        req.kv_export = Exported(req.namespace, list(req.prompt_ids), self.page_size, kv,
+                                 routes, time.perf_counter() - start)
 
     def unpin_handoff(self, req: Req) -> None:
         if req.handoff_lock is not None:

@@ -29,7 +29,7 @@ from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.executor.omp import release_thread_team
 from hotswap.engine.executor.sampling import Sampler
 from hotswap.engine.grammar.manager import GrammarManager
-from hotswap.engine.kvcache.handoff import Exported, HandoffRefused
+from hotswap.engine.kvcache.handoff import HandoffRefused
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.scheduler.control import SchedulerControl
@@ -287,7 +287,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         if req in self.running:
             self.running.remove(req)
         if req.export_kv and reason.type != "abort" and self.is_live(req):
-            self._export_prompt_kv(req)
+            self.kv.export_prompt(req, self.runner.kv_pool)
         self.kv.unpin_handoff(req)
         self._keep_routes(req)
         if (req.session_id is not None and reason.type != "abort"
@@ -297,18 +297,6 @@ class Scheduler(SchedulerControl, StepOutputs):
         self.kv.release(req)
         self.waiting[:0] = self.forks.pop(req.rid, [])  # the leader is gone: prefill normally
         self.outputs.emit(req)
-
-    def _export_prompt_kv(self, req: Req) -> None:
-        """A prefill engine's request hands its prompt's KV on (engine/kvcache/handoff.py)."""
-        slots = req.kv_slots[: len(req.prompt_ids)]
-        if slots.numel() < len(req.prompt_ids):
-            return
-        start = time.perf_counter()
-        pool = self.runner.kv_pool
-        routes = pool.read_routes(slots) if pool.routes is not None else None
-        kv = pool.read_tokens(slots)
-        req.kv_export = Exported(req.namespace, list(req.prompt_ids), self.config.page_size,
-                                 kv, routes, time.perf_counter() - start)
 
     def abort_running(self, reason: FinishReason) -> None:
         for req in list(self.running):

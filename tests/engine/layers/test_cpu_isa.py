@@ -1,5 +1,6 @@
-"""HOTSWAP_CPU_ISA: the CPU features every check of hotswap's sees (config.read_cpu_flags), the
-ISA the C++ kernels are built for and the build's cache key, and the dtype rules that follow."""
+"""HOTSWAP_CPU_ISA: the CPU features every check of hotswap's sees
+(cpu_features.read_cpu_flags), the ISA the C++ kernels are built for and the build's cache key,
+and the dtype rules that follow."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from hotswap.engine import config
+from hotswap.engine import config, cpu_features
 from hotswap.engine.layers import cpu_kernels
 
 CPU = frozenset({"sse4_2", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
@@ -21,28 +22,28 @@ CPU = frozenset({"sse4_2", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "av
 @pytest.fixture
 def cpu(monkeypatch):
     """A CPU with everything, whatever this machine has; the switch's value per test."""
-    monkeypatch.setattr(config, "_proc_cpu_flags", lambda: CPU)
+    monkeypatch.setattr(cpu_features, "_proc_cpu_flags", lambda: CPU)
 
     def set_isa(isa: str | None) -> None:
         if isa is None:
-            monkeypatch.delenv(config.CPU_ISA_ENV, raising=False)
+            monkeypatch.delenv(cpu_features.CPU_ISA_ENV, raising=False)
         else:
-            monkeypatch.setenv(config.CPU_ISA_ENV, isa)
+            monkeypatch.setenv(cpu_features.CPU_ISA_ENV, isa)
 
     return set_isa
 
 
 def test_the_switch_caps_the_flags_every_check_reads(cpu):
     cpu(None)
-    assert config.read_cpu_flags() == CPU
+    assert cpu_features.read_cpu_flags() == CPU
     cpu("avx512")
-    assert config.read_cpu_flags() == {"sse4_2", "avx2", "fma", "avx512f", "avx512bw",
+    assert cpu_features.read_cpu_flags() == {"sse4_2", "avx2", "fma", "avx512f", "avx512bw",
                                        "avx512vl"}
     cpu("AVX2")
-    assert config.read_cpu_flags() == {"sse4_2", "avx2", "fma"}
+    assert cpu_features.read_cpu_flags() == {"sse4_2", "avx2", "fma"}
     cpu("avx3")
     with pytest.raises(ValueError, match="HOTSWAP_CPU_ISA='avx3'"):
-        config.read_cpu_flags()
+        cpu_features.read_cpu_flags()
 
 
 def test_auto_picks_float32_and_explicit_bf16_runs_with_its_cost_stated(cpu, caplog):
