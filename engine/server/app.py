@@ -49,6 +49,7 @@ from hotswap.engine.server.protocol import (
     GenerateBody,
     OpenSessionRequest,
 )
+from hotswap.engine.server.scoring_routes import scoring_routes
 from hotswap.engine.server.serving import (
     CLIENT_GONE,
     GuardMiddleware,
@@ -77,7 +78,7 @@ inference = APIRouter()
 # Control routes need the admin key; a router in front of several servers sends each of them to
 # every server (hotswap.fleet derives its fan-out from this table).
 CONTROL_ROUTERS = (control, memory_routes, lora_routes, update_routes, sglang_control)
-ROUTERS = (open_routes, inference, sglang_routes, *CONTROL_ROUTERS)
+ROUTERS = (open_routes, inference, sglang_routes, scoring_routes, *CONTROL_ROUTERS)
 
 
 def control_paths() -> frozenset[str]:
