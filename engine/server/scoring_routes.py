@@ -166,7 +166,7 @@ RewardAnyBody = Annotated[Annotated[OpenRLHFRewardBody, Tag("openrlhf")]
                           Discriminator(_reward_shape)]
 
 
-def check_model(state: ServerState, model: str | None) -> None:
+def _check_model(state: ServerState, model: str | None) -> None:
     """A body's `model` names this server's model: its served name or its model path (what
     vLLM and SGLang call a model by default, and what verl sends)."""
     served = (state.model_name, state.engine.config.model_path)
@@ -175,7 +175,7 @@ def check_model(state: ServerState, model: str | None) -> None:
                                  f"{state.model_name!r} (or give its model path)")
 
 
-async def score(state: ServerState, request: Request, **kwargs: Any) -> Any:
+async def _score(state: ServerState, request: Request, **kwargs: Any) -> Any:
     """Engine.async_classify's outputs, or CLIENT_GONE."""
     return await until_disconnect(request, state.engine.async_classify(**kwargs))
 
@@ -201,6 +201,10 @@ def _usage(outs: list[dict]) -> dict[str, Any]:
             "prompt_tokens_details": None}
 
 
+def _top(scores: list[float]) -> int:
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
 @lru_cache(maxsize=8)
 def _labels(model_path: str, num_labels: int) -> list[str]:
     """config.json's id2label in class order (HF's LABEL_i where it names none)."""
@@ -211,20 +215,20 @@ def _labels(model_path: str, num_labels: int) -> list[str]:
 
 async def _vllm_classify(state: ServerState, body: ClassificationBody,
                          request: Request) -> Response:
-    check_model(state, body.model)
+    _check_model(state, body.model)
     if body.messages is not None:
         inputs = {"messages": [[m.model_dump(exclude_none=True) for m in body.messages]]}
     else:
         keep = body.truncate_prompt_tokens
         keep = state.engine.config.context_length - 1 if keep == -1 else keep
         inputs = _openai_inputs(state, body.input, body.add_special_tokens is not False, keep)
-    outs = await score(state, request, **inputs, activation=body.wants_activation,
+    outs = await _score(state, request, **inputs, activation=body.wants_activation,
                        cache_salt=body.cache_salt)
     if outs is CLIENT_GONE:
         return Response(status_code=499)
     names = _labels(state.engine.config.model_path, len(outs[0]["scores"]))
-    data = [{"index": i, "label": names[max(range(len(o["scores"])), key=o["scores"].__getitem__)],
-             "probs": o["scores"], "num_classes": len(o["scores"])} for i, o in enumerate(outs)]
+    data = [{"index": i, "label": names[_top(o["scores"])], "probs": o["scores"],
+             "num_classes": len(o["scores"])} for i, o in enumerate(outs)]
     return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
                           "created": int(time.time()), "model": state.model_name,
                           "data": data, "usage": _usage(outs)})
@@ -240,27 +244,30 @@ async def classify(state: State, body: ClassifyAnyBody, request: Request) -> Res
     """vLLM's /classify, or SGLang's native one when the body has `text` or `input_ids`."""
     if isinstance(body, ClassificationBody):
         return await _vllm_classify(state, body, request)
-    out = await score(state, request, prompt=body.text, input_ids=body.input_ids, rid=body.rid)
+    out = await _score(state, request, prompt=body.text, input_ids=body.input_ids, rid=body.rid)
     if out is CLIENT_GONE:
         return Response(status_code=499)
-    def shaped(o: dict) -> dict:
-        return {"embedding": o["scores"], "meta_info": o["meta_info"]}
-    return json_response([shaped(o) for o in out] if isinstance(out, list) else shaped(out))
+    if isinstance(out, list):
+        return json_response([_as_embedding(o) for o in out])
+    return json_response(_as_embedding(out))
+
+
+def _as_embedding(out: dict) -> dict:
+    """SGLang's output of an embedding or reward model: the scores as the embedding."""
+    return {"embedding": out["scores"], "meta_info": out["meta_info"]}
 
 
 @scoring_routes.post("/v1/embeddings")
 async def embeddings(state: State, body: EmbeddingBody, request: Request) -> Response:
     """The raw scores as each input's embedding, as an SGLang reward model serves them."""
-    check_model(state, body.model)
-    outs = await score(state, request, **_openai_inputs(state, body.input))
+    _check_model(state, body.model)
+    outs = await _score(state, request, **_openai_inputs(state, body.input))
     if outs is CLIENT_GONE:
         return Response(status_code=499)
     data = [{"object": "embedding", "embedding": o["scores"], "index": i}
             for i, o in enumerate(outs)]
-    usage = _usage(outs)
-    del usage["prompt_tokens_details"]
     return json_response({"object": "list", "data": data, "model": state.model_name,
-                          "usage": usage})
+                          "usage": _usage(outs)})
 
 
 @scoring_routes.post("/get_reward")
@@ -268,12 +275,12 @@ async def get_reward(state: State, body: RewardAnyBody, request: Request) -> Res
     """One raw score per sequence (the last class's where the model has several): OpenRLHF's
     {"rewards", "scores", "extra_logs"} for its `query` list, a bare number for slime's sample."""
     if isinstance(body, OpenRLHFRewardBody):
-        outs = await score(state, request, prompt=body.query)
+        outs = await _score(state, request, prompt=body.query)
     elif isinstance(body.prompt, str):
-        outs = await score(state, request, prompt=[body.prompt + body.response])
+        outs = await _score(state, request, prompt=[body.prompt + body.response])
     else:
         chat = [*body.prompt, {"role": "assistant", "content": body.response}]
-        outs = await score(state, request, messages=[chat])
+        outs = await _score(state, request, messages=[chat])
     if outs is CLIENT_GONE:
         return Response(status_code=499)
     rewards = [o["scores"][-1] for o in outs]

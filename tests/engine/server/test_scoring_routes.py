@@ -136,6 +136,8 @@ def test_slime_remote_rm_payload(reward, client):
 
 
 def test_vllm_classify_shape(reward, client):
+    # vllm/entrypoints/pooling/classify/protocol.py: ClassificationRequest (completion and chat
+    # forms) and ClassificationResponse.
     engine, _, tokenizer = reward
     texts = [templated(tokenizer, c) for c in CHATS]
     got = client.post("/v1/classify", json={"model": os.path.basename(engine.config.model_path),
@@ -161,6 +163,8 @@ def test_vllm_classify_shape(reward, client):
 
 
 def test_sglang_native_classify_shape(reward, client):
+    # python/sglang/srt/entrypoints/http_server.py, classify_request: an EmbeddingReqInput in,
+    # {"embedding", "meta_info"} out (a list for a list).
     _, _, tokenizer = reward
     texts = [templated(tokenizer, c) for c in CHATS[:2]]
     batch = client.post("/classify", json={"text": texts}).json()
