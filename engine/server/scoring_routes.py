@@ -136,7 +136,7 @@ class EmbeddingBody(Body):
 class OpenRLHFRewardBody(Body):
     """OpenRLHF's remote reward model call: `query` holds full texts (prompt + response)."""
 
-    query: TextList
+    query: list[Text]  # empty where OpenRLHF splits fewer queries than it has servers
     prompts: list[str] | None = None
     labels: list[Any] | None = None
 
@@ -275,7 +275,7 @@ async def get_reward(state: State, body: RewardAnyBody, request: Request) -> Res
     """One raw score per sequence (the last class's where the model has several): OpenRLHF's
     {"rewards", "scores", "extra_logs"} for its `query` list, a bare number for slime's sample."""
     if isinstance(body, OpenRLHFRewardBody):
-        outs = await _score(state, request, prompt=body.query)
+        outs = await _score(state, request, prompt=body.query) if body.query else []
     elif isinstance(body.prompt, str):
         outs = await _score(state, request, prompt=[body.prompt + body.response])
     else:

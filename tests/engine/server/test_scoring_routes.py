@@ -73,16 +73,24 @@ def close(got, want) -> None:
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), want, atol=ATOL, rtol=0)
 
 
-def test_verl_vllm_reward_loop_payload(reward, client):
-    # verl/experimental/reward_loop/reward_loop.py, RewardLoopWorker.compute_score_disrm with
-    # reward_model.rollout.name == "vllm": POST classify, read data[-1]["probs"][-1].
+# verl/experimental/reward_loop/reward_loop.py, RewardLoopWorker.compute_score_disrm with
+# reward_model.rollout.name == "vllm": POST classify, read data[-1]["probs"][-1]. Its versions
+# send "activation" (vLLM < 0.11.2), then "add_special_tokens" too, now "use_activation".
+VERL_VLLM_OPTIONS = [{"activation": False}, {"activation": False, "add_special_tokens": False},
+                     {"use_activation": False}]
+
+
+@pytest.mark.parametrize("options", VERL_VLLM_OPTIONS)
+def test_verl_vllm_reward_loop_payload(reward, client, options):
     engine, _, tokenizer = reward
     for chat in CHATS:
         prompt = templated(tokenizer, chat)
-        payloads = {"model": engine.config.model_path, "input": prompt, "activation": False}
+        payloads = {"model": engine.config.model_path, "input": prompt, **options}
         output = client.post("/classify", json=payloads).json()
         rm_score = output["data"][-1]["probs"][-1]
-        assert rm_score == pytest.approx(hf_scores(reward, prompt)[-1].item(), abs=ATOL)
+        special = options.get("add_special_tokens", True)
+        ids = tokenizer(prompt, add_special_tokens=special).input_ids
+        assert rm_score == pytest.approx(hf_scores(reward, ids=ids)[-1].item(), abs=ATOL)
 
 
 def test_verl_sglang_reward_loop_payload(reward, client):
@@ -111,6 +119,9 @@ def test_openrlhf_remote_rm_payload(reward, client):
     want = torch.stack([hf_scores(reward, q)[-1] for q in queries])
     close(response["rewards"], want)
     assert response["scores"] == response["rewards"] and response["extra_logs"] == {}
+    # With more servers than queries, RemoteRewardModel.get_rewards sends a server none.
+    empty = client.post("/get_reward", json={"query": [], "prompts": [], "labels": []})
+    assert empty.json() == {"rewards": [], "scores": [], "extra_logs": {}}
 
 
 def test_slime_remote_rm_payload(reward, client):
@@ -192,7 +203,7 @@ BAD = [
     ("/classify", {"text": "hi", "input_ids": [1]}, "exactly one of text and input_ids"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "base64"}, "encoding_format"),
     ("/v1/embeddings", {"model": "someone-else", "input": "hi"}, "is not served here"),
-    ("/get_reward", {"query": []}, "query"),
+    ("/get_reward", {"query": [""]}, "openrlhf.query.0"),
     ("/get_reward", {"query": ["a", "b"], "prompts": ["a"]}, "prompts: 1 entries for 2"),
     ("/get_reward", {"prompt": "a", "label": "x"}, "slime.response"),
     ("/get_reward", {"prompt": [{"role": "user"}], "response": "r"}, "string 'role' and"),
