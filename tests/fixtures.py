@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 import transformers
-from conftest import write_tiny_model
+from conftest import make_hf_config, write_tiny_model
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
@@ -82,6 +82,21 @@ def write_tiny_chat_model(path: str, seed: int = 0, **overrides) -> str:
     write_tiny_model(path, "llama", seed=seed, vocab_size=vocab, **overrides)
     with open(f"{path}/generation_config.json", "w") as f:
         json.dump({"eos_token_id": 2, "bos_token_id": 1}, f)
+    return path
+
+
+def write_tiny_reward_model(path: str, seed: int = 0, num_labels: int = 1) -> str:
+    """A tiny random Qwen2ForSequenceClassification (the reward model beside a policy in the
+    fleet tests) with the trained tokenizer."""
+    vocab = write_tokenizer(path)
+    cfg = make_hf_config("qwen2", vocab_size=vocab, num_labels=num_labels, pad_token_id=0)
+    cfg.architectures = ["Qwen2ForSequenceClassification"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
     return path
 
 
