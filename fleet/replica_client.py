@@ -77,6 +77,10 @@ class ReplicaClient:
     def weights_dtype(self) -> str:
         return self.get(self.actor.weights_dtype.remote())
 
+    @property
+    def model_name(self) -> str:
+        return self.get(self.actor.info.remote())["model_name"]
+
     def prepare_tensors(self, packed: Any, model: str | None = None) -> dict:
         return self.get(self.actor.prepare_tensors.remote(packed, model))
 
