@@ -20,8 +20,11 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import httpx
+
 from hotswap.engine.client.remote import RemoteEngine
 from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
+from hotswap.engine.errors import RemoteEngineError
 from hotswap.fleet.affinity import Key, PrefixAffinity, affinity_key
 from hotswap.fleet.coordinator import Coordinator, Member, ServersDisagree
 from hotswap.weight_sync.serialize import serialize_named_tensors
@@ -58,7 +61,8 @@ class Router(Coordinator):
         self.assigned = [0] * len(self.urls)
         self._down_until = [0.0] * len(self.urls)
         self._lock = threading.Lock()
-        self._served: list[tuple[str, bool]] | None = None  # per server: (model name, frozen)
+        # per server: (model name, frozen), asked once; None until the server answers
+        self._served: list[tuple[str, bool] | None] = [None] * len(self.urls)
 
     def __repr__(self) -> str:
         return f"Router({self.urls!r})"
@@ -75,18 +79,41 @@ class Router(Coordinator):
 
     @property
     def served_models(self) -> dict[str, dict[str, Any]]:
-        """model name -> {"frozen", "servers" (indices)}, asked of the servers once."""
-        if self._served is None:
-            served = [(e.model_name, e.frozen) for e in self.engines]
-            with self._lock:
-                self._served = served
+        """model name -> {"frozen", "servers" (indices)} of the servers that answered."""
+        return self._models(every=False)
+
+    def _models(self, every: bool) -> dict[str, dict[str, Any]]:
+        """Servers unreachable so far are asked again (a down one after _DOWN_FOR_S) and left
+        out meanwhile; `every`: an update's, which must know every server's model."""
+        served = self._ask_models()
+        missing = [self.urls[i] for i, s in enumerate(served) if s is None]
+        if missing and (every or len(missing) == len(served)):
+            raise RemoteEngineError(502, f"{', '.join(missing)}: unreachable, so the model "
+                                    "it serves is unknown")
         models: dict[str, dict[str, Any]] = {}
-        for i, (name, frozen) in enumerate(self._served):
+        for i, known in enumerate(served):
+            if known is None:
+                continue
+            name, frozen = known
             entry = models.setdefault(name, {"frozen": frozen, "servers": []})
             if entry["frozen"] != frozen:
                 raise ValueError(f"model {name!r} is frozen on some servers and not on others")
             entry["servers"].append(i)
         return models
+
+    def _ask_models(self) -> list[tuple[str, bool] | None]:
+        with self._lock:
+            served, down = list(self._served), list(self._down_until)
+        now = time.monotonic()
+        for i, engine in enumerate(self.engines):
+            if served[i] is None and down[i] <= now:
+                try:
+                    served[i] = (engine.model_name, engine.frozen)
+                except (httpx.TransportError, RemoteEngineError):
+                    self.mark_down(i)
+        with self._lock:
+            self._served = served
+        return served
 
     @property
     def model_name(self) -> str:
@@ -94,7 +121,7 @@ class Router(Coordinator):
         return self._default_model(update=True)
 
     def _default_model(self, update: bool) -> str:
-        models = self.served_models
+        models = self._models(every=update)
         policies = sorted(n for n, m in models.items() if not m["frozen"])
         if len(policies) == 1:
             return policies[0]
@@ -109,7 +136,7 @@ class Router(Coordinator):
         """The servers of `model` (None: the policy); ValueError for a model none serves.
         openai: the OpenAI routes' "model", where "name:adapter" names an adapter of `name`
         and any unknown name the policy (clients send placeholders)."""
-        models = self.served_models
+        models = self._models(every=update)
         if openai and model not in models:
             base = model.rsplit(":", 1)[0] if isinstance(model, str) else None
             model = base if base in models else None

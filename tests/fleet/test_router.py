@@ -24,6 +24,7 @@ from fixtures import (
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
+from hotswap.engine.errors import RemoteEngineError
 from hotswap.engine.server.app import route_table
 from hotswap.fleet import PrefixAffinity, Router
 from hotswap.fleet.router_app import create_router_app
@@ -350,3 +351,17 @@ def test_several_models_that_are_not_frozen_must_be_named(policy_and_rm):
         out = router.generate(input_ids=[5, 6], sampling_params=GREEDY, model="b")
         assert out["output_ids"] == other.generate(input_ids=[5, 6],
                                                    sampling_params=GREEDY)["output_ids"]
+
+
+def test_a_server_unreachable_when_asked_its_model_is_left_out_of_requests_not_updates(
+        policy_and_rm):
+    s = policy_and_rm
+    down = f"http://127.0.0.1:{free_port()}"
+    with Router([down, s["urls"][0]]) as router:
+        out = router.generate(input_ids=[5, 6], sampling_params=GREEDY)
+        assert out["output_ids"] == s["policy"].generate(input_ids=[5, 6],
+                                                         sampling_params=GREEDY)["output_ids"]
+        version = s["policy"].get_weight_version()
+        with pytest.raises(RemoteEngineError, match="unreachable"):
+            router.update_weights_from_disk(s["paths"]["policy"])
+        assert s["policy"].get_weight_version() == version
