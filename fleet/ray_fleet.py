@@ -55,17 +55,22 @@ def _request_model(args: tuple, kwargs: dict) -> str | None:
 
 def _by_model(method: F, model_of: Callable[[tuple, dict], str | None] = _keyword_model) -> F:
     """An update method that the fleet of the model it names runs (the policy's: this one);
-    a fleet of an extra model that holds the update open afterwards takes its commit."""
+    a fleet of an extra model that holds the update open afterwards takes its commit, and
+    until then the policy takes no update (one open update at a time, as on an engine)."""
     name = method.__name__
 
     @functools.wraps(method)
     def call(self: RayFleet, *args: Any, **kwargs: Any) -> Any:
         target = self._fleet_for(model_of(args, kwargs))
         if target is self:
+            if self._open_on is not None:
+                raise ValueError(f"an update of model {self._open_on.model_name!r} is open; "
+                                 "commit or abort it first")
             return method(self, *args, **kwargs)
-        result = getattr(target, name)(*args, **kwargs)
-        self._open_on = target if target._staged_on is not None else None
-        return result
+        try:
+            return getattr(target, name)(*args, **kwargs)
+        finally:
+            self._open_on = target if target._staged_on is not None else None
 
     return call  # type: ignore[return-value]
 
@@ -335,13 +340,13 @@ class RayFleet(Coordinator):
                              pause_mode: str | None = None) -> dict:
         """The open update: the policy's, or an extra model's that a call naming it opened."""
         target, self._open_on = self._open_on, None
-        if target is not None and self._staged_on is None:
+        if target is not None:
             return target.commit_weight_update(weight_version, pause_mode)
         return super().commit_weight_update(weight_version, pause_mode)
 
     def abort_weight_update(self) -> dict:
         target, self._open_on = self._open_on, None
-        if target is not None and self._staged_on is None:
+        if target is not None:
             return target.abort_weight_update()
         return super().abort_weight_update()
 

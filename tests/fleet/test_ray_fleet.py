@@ -399,5 +399,7 @@ def test_a_frozen_reward_model_beside_the_policy(local_ray, models, tmp_path):
         assert fleet.update_weights_from_disk(rm_path, weight_version="rm-2", model="rm")[
             "success"]
         assert fleet.prepare_weights_from_disk(rm_path, model="rm")["success"]
+        with pytest.raises(ValueError, match="an update of model 'rm' is open"):
+            fleet.update_weights_from_disk(models["a"])
         assert fleet.commit_weight_update("rm-3")["weight_version"] == "rm-3"
         assert rm.get_weight_version() == "rm-3" and fleet.get_weight_version() == "b-label"
