@@ -17,19 +17,19 @@ to it; everything else, weight updates included, is the policy's.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from hotswap.engine.client.protocol import resolve_commit
-from hotswap.engine.client.request import ClassifyRequest, DistributedUpdate, GenerateRequest
+from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.fleet.affinity import PrefixAffinity
-from hotswap.fleet.coordinator import Coordinator, Member
+from hotswap.fleet.coordinator import Member
 from hotswap.fleet.dispatch import Dispatcher, ReplicaGone, async_events
+from hotswap.fleet.extra_models import ExtraModels, by_model
 from hotswap.fleet.fleet_weights import FleetWeights
 from hotswap.fleet.health import Health
 from hotswap.fleet.placement import Placement, Replica, ReplicaSpec
@@ -39,43 +39,7 @@ from hotswap.weight_sync.delta import Delta
 
 logger = logging.getLogger("hotswap.fleet")
 
-F = TypeVar("F", bound=Callable[..., Any])
-# What RayFleet itself takes of an extra model's spec; the rest are its EngineConfig kwargs.
-FLEET_ARGS = ("replicas", "tp_size", "resources_per_replica", "placement", "placement_group")
-
-
-def _keyword_model(args: tuple, kwargs: dict) -> str | None:
-    return kwargs.get("model")
-
-
-def _request_model(args: tuple, kwargs: dict) -> str | None:
-    update: DistributedUpdate = args[0]
-    return update.model
-
-
-def _by_model(method: F, model_of: Callable[[tuple, dict], str | None] = _keyword_model) -> F:
-    """An update method that the fleet of the model it names runs (the policy's: this one);
-    a fleet of an extra model that holds the update open afterwards takes its commit, and
-    until then the policy takes no update (one open update at a time, as on an engine)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def call(self: RayFleet, *args: Any, **kwargs: Any) -> Any:
-        target = self._fleet_for(model_of(args, kwargs))
-        if target is self:
-            if self._open_on is not None:
-                raise ValueError(f"an update of model {self._open_on.model_name!r} is open; "
-                                 "commit or abort it first")
-            return method(self, *args, **kwargs)
-        try:
-            return getattr(target, name)(*args, **kwargs)
-        finally:
-            self._open_on = target if target._staged_on is not None else None
-
-    return call  # type: ignore[return-value]
-
-
-class RayFleet(Coordinator):
+class RayFleet(ExtraModels):
     def __init__(self, model_path: str, replicas: int = 1, tp_size: int = 1,
                  engine_kwargs: dict | None = None,
                  resources_per_replica: dict[str, float] | None = None,
@@ -89,8 +53,9 @@ class RayFleet(Coordinator):
         placement "pack" or "spread" (one replica per node) applies to the fleet's own
         placement group; with `placement_group` replica i takes its bundle i. `http`: each
         replica also serves the engine's HTTP API (its URL in replicas_info).
-        extra_models: name -> {"model_path", optionally FLEET_ARGS (replicas: 1), and its
-        EngineConfig kwargs}: frozen models served beside the policy under that name."""
+        extra_models: name -> {"model_path", optionally FLEET_ARGS (extra_models.py; replicas:
+        1), and its EngineConfig kwargs}: frozen models served beside the policy under that
+        name, each a fleet of its own (`models[name]`)."""
         super().__init__()
         self._extras: dict[str, RayFleet] = {}
         self._open_on: RayFleet | None = None  # an extra model's fleet holding an update open
@@ -120,27 +85,12 @@ class RayFleet(Coordinator):
         try:
             self._start_first(replicas)
             self._health.start()
-            for name, extra in (extra_models or {}).items():
-                self._extras[name] = self._start_extra(name, extra, http=http,
-                                                       health_period_s=health_period_s,
-                                                       start_timeout_s=start_timeout_s,
-                                                       cache_threshold=cache_threshold,
-                                                       max_concurrency=max_concurrency)
+            self._start_extras(extra_models or {}, http=http, health_period_s=health_period_s,
+                               start_timeout_s=start_timeout_s, cache_threshold=cache_threshold,
+                               max_concurrency=max_concurrency)
         except BaseException:
             self.shutdown()
             raise
-
-    def _start_extra(self, name: str, extra: dict[str, Any], **shared: Any) -> RayFleet:
-        """A frozen model's own fleet, serving under `name`."""
-        if name == self.model_name:
-            raise ValueError(f"extra_models: {name!r} is the policy's name")
-        if not isinstance(extra, dict) or "model_path" not in extra:
-            raise ValueError(f"extra_models[{name!r}] must be a dict with a 'model_path'")
-        kwargs = dict(extra)
-        path = kwargs.pop("model_path")
-        fleet_args = {k: kwargs.pop(k) for k in FLEET_ARGS if k in kwargs}
-        return RayFleet(path, **fleet_args, **shared, engine_kwargs={
-            **kwargs, "served_model_name": name, "frozen": True})
 
     def _start_first(self, count: int) -> None:
         """The first replicas serve at once: they all loaded the same checkpoint."""
@@ -163,25 +113,10 @@ class RayFleet(Coordinator):
         """The weight version every serving replica holds."""
         return self._weights.version
 
-    # models: the policy (this fleet's replicas) and the frozen extra models' fleets
-
     @property
     def model_name(self) -> str:
-        """The policy's served name."""
+        """The policy's served name (`models` maps every model's to its fleet)."""
         return self._model_name
-
-    @property
-    def models(self) -> dict[str, RayFleet]:
-        """Every model this fleet serves -> the fleet serving it (the policy: this one)."""
-        return {self.model_name: self, **self._extras}
-
-    def _fleet_for(self, model: str | None) -> RayFleet:
-        if model is None or model == self.model_name:
-            return self
-        if model not in self._extras:
-            raise ValueError(f"model {model!r}: this fleet serves "
-                             f"{', '.join(sorted(self.models))}")
-        return self._extras[model]
 
     # members and states
 
@@ -325,34 +260,9 @@ class RayFleet(Coordinator):
         held = [r for r in self._serving() if r.index == index]
         return bool(held) and held[0].client.close_session(session_id)
 
-    # weights: an update naming an extra model is its fleet's
-
-    update_weight_version = _by_model(Coordinator.update_weight_version)
-    update_weights_from_serialized = _by_model(Coordinator.update_weights_from_serialized)
-    update_weights_from_disk = _by_model(Coordinator.update_weights_from_disk)
-    prepare_weights_from_disk = _by_model(Coordinator.prepare_weights_from_disk)
-    _update_weights_from_distributed = _by_model(Coordinator._update_weights_from_distributed,
-                                                 _request_model)
-    _prepare_weights_from_distributed = _by_model(
-        Coordinator._prepare_weights_from_distributed, _request_model)
-
-    def commit_weight_update(self, weight_version: str | None = None,
-                             pause_mode: str | None = None) -> dict:
-        """The open update: the policy's, or an extra model's that a call naming it opened."""
-        target, self._open_on = self._open_on, None
-        if target is not None:
-            return target.commit_weight_update(weight_version, pause_mode)
-        return super().commit_weight_update(weight_version, pause_mode)
-
-    def abort_weight_update(self) -> dict:
-        target, self._open_on = self._open_on, None
-        if target is not None:
-            return target.abort_weight_update()
-        return super().abort_weight_update()
-
     # weights through the object store; adapters recorded for replicas that join later
 
-    @_by_model
+    @by_model
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
                                    pause_mode: str = "retract", commit: bool | None = None,
