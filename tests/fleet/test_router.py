@@ -304,6 +304,9 @@ def test_requests_go_to_the_servers_of_the_model_they_name(policy_and_rm):
     assert r.status_code == 200 and r.headers["x-hotswap-server"] == s["urls"][1]
     assert r.json()["scores"] == scores[0]["scores"]
     assert httpx.post(f"{front}/classify_native", json={"input_ids": ids[0]}).status_code == 400
+    for path in ("/classify", "/v1/classify", "/v1/embeddings"):  # vLLM's bodies, by "model"
+        r = httpx.post(f"{front}{path}", json={"model": "rm", "input": "Hello"})
+        assert r.headers["x-hotswap-server"] == s["urls"][1], path
     r = httpx.post(f"{front}/generate", json={"input_ids": ids[0], "sampling_params": GREEDY})
     assert r.headers["x-hotswap-server"] == s["urls"][0] and r.json()["output_ids"] == want
     for model in ("policy", "policy:adapter", "gpt-x"):  # OpenAI's names: the policy's
