@@ -287,6 +287,9 @@ class EngineConfig:
         8, "the longest draft of a step (the length is chosen by measurement)")
     speculative_self_layers: int | None = option(
         None, "layers of the self-draft (default: calibrated on the first running requests)")
+    served_model_name: str | None = option(
+        None, "the name requests and updates address it by (model=); default: the folder's")
+    frozen: bool = option(False, "a reward model or judge: weight updates must name it")
     role: str = option("both", "prefill/decode disaggregation (docs/fleet.md#prefill-and-decode): "
                        "prefill serves prompts' KV and first tokens, decode serves handed-off "
                        "and plain requests", ROLES)
@@ -325,7 +328,13 @@ class EngineConfig:
                              "tp_size splits every expert over the ranks instead")
         context = self._context_length(model)
         return replace(self, device=device, dtype=dtype, attention_backend=backend,
-                       context_length=context)
+                       context_length=context, served_model_name=self._model_name())
+
+    def _model_name(self) -> str:
+        name = self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
+        if not isinstance(name, str) or ":" in name:  # "name:adapter" addresses an adapter
+            raise ValueError(f"served_model_name must be a string without ':', got {name!r}")
+        return name
 
     def _context_length(self, model: ModelConfig) -> int:
         """context_length, or the model's; within a sliding window, which is not implemented:

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from hotswap.engine.client.protocol import (
     EngineClient,
     check_pause_mode,
+    check_update_model,
     memory_tags,
     resolve_commit,
 )
@@ -70,7 +71,8 @@ class Engine(PrefillDecodeRoles, EngineClient):
             self.tokenizer, model_config.vocab_size, self.config.context_length,
             self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
             self.loras.check_name, self.scheduler.sessions.known,
-            self.config.enable_return_routed_experts, model_config.num_labels)
+            self.config.enable_return_routed_experts, model_config.num_labels,
+            self.config.served_model_name)
         self._init_roles()
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
@@ -245,6 +247,15 @@ class Engine(PrefillDecodeRoles, EngineClient):
     def get_weight_version(self) -> str:
         return self.weights.version
 
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    def _check_update(self, model: str | None) -> None:
+        """Every update method asks this first: whether an update addressed to `model` may
+        change these weights (a frozen engine's updates must name it)."""
+        check_update_model(self.model_name, self.config.frozen, model)
+
     def _holding_update(self) -> bool:
         update = self.weights.open_update
         return update is not None and update.holds_generation
@@ -255,19 +266,22 @@ class Engine(PrefillDecodeRoles, EngineClient):
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict:
+                                   pause_mode: str = "retract", commit: bool | None = None,
+                                   model: str | None = None) -> dict:
         """Names HF's loader ignores (rotary_emb.inv_freq) are accepted and skipped. With
         commit=False the update holds generation and keeps the version until
         commit_weight_update() (or a later call that commits) makes it one version. With
         load_format="delta", named_tensors is a hotswap.weight_sync.Delta (a DeltaTracker's)."""
+        self._check_update(model)
         _check_direct_format(load_format, named_tensors)
         return self.weights.update_from_tensor(named_tensors, weight_version, pause_mode,
                                                resolve_commit(commit, flush_cache))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
+                                 pause_mode: str = "retract", commit: bool | None = None,
+                                 model: str | None = None) -> dict:
+        self._check_update(model)
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r}: checkpoints load as safetensors")
         return self.weights.update_from_disk(model_path, weight_version, pause_mode,
@@ -277,8 +291,10 @@ class Engine(PrefillDecodeRoles, EngineClient):
                                        load_format: str | None = None, flush_cache: bool = True,
                                        *, weight_version: str | None = None,
                                        pause_mode: str = "retract",
-                                       commit: bool | None = None) -> dict:
+                                       commit: bool | None = None,
+                                       model: str | None = None) -> dict:
         """Every entry is applied (SGLang sends one per trainer rank)."""
+        self._check_update(model)
         if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
             raise ValueError("serialized_named_tensors must be a non-empty list of strings")
         _check_direct_format(None if load_format == "flattened_bucket" else load_format)
@@ -287,11 +303,13 @@ class Engine(PrefillDecodeRoles, EngineClient):
             named.update(deserialize_named_tensors(data))
         return self.update_weights_from_tensor(
             named, None, flush_cache, weight_version=weight_version, pause_mode=pause_mode,
-            commit=commit)
+            commit=commit, model=model)
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False, *,
+                              model: str | None = None) -> dict:
         """Relabel the serving weights (SGLang's route): new requests and their cache namespace
         use the new label; the weights do not change."""
+        self._check_update(model)
         if not isinstance(new_version, str) or not new_version:
             raise ValueError("new_version must be a non-empty string")
         return self.scheduler.run(lambda: self.weights.relabel(new_version, abort_all_requests))
@@ -319,21 +337,28 @@ class Engine(PrefillDecodeRoles, EngineClient):
         base update's arguments (weight_version, commit, flush_cache=False, staging) are
         refused. staging: where base weights land (docs/api.md#where-an-update-lands)."""
         u = update
+        self._check_broadcast_update(u)
         if u.lora_name is not None:
-            try:
-                _check_adapter_update(u.weight_version, u.commit, u.flush_cache, u.staging)
-                self._check_lora_supported()
-            except ValueError:  # take part in the broadcast (if joined), so the sender finishes
-                with contextlib.suppress(ValueError):
-                    self.weights.discard(self.weights.group(u.group_name), *u.tensors(),
-                                         u.load_format)
-                raise
             return self.loras.update_from_distributed(
                 u.lora_name, self.weights.group(u.group_name), *u.tensors(), u.load_format,
                 u.pause_mode)
         return self.weights.update_from_distributed(
             *u.tensors(), u.group_name, u.weight_version, u.pause_mode, u.load_format,
             resolve_commit(u.commit, u.flush_cache), u.staging)
+
+    def _check_broadcast_update(self, u: DistributedUpdate) -> None:
+        """The checks a broadcast update passes before it is received; a refused one still
+        takes part in the broadcast (if joined), so the sender and the other targets finish."""
+        try:
+            self._check_update(u.model)
+            if u.lora_name is not None:
+                _check_adapter_update(u.weight_version, u.commit, u.flush_cache, u.staging)
+                self._check_lora_supported()
+        except ValueError:
+            with contextlib.suppress(ValueError):
+                self.weights.discard(self.weights.group(u.group_name), *u.tensors(),
+                                     u.load_format)
+            raise
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.weights.destroy_group(group_name)
@@ -342,15 +367,19 @@ class Engine(PrefillDecodeRoles, EngineClient):
     # prepare call receives and validates beside the serving weights; commit or abort follows.
 
     def _prepare_weights_from_distributed(self, update: DistributedUpdate) -> dict:
+        self._check_broadcast_update(update)
         return self.weights.prepare_from_distributed(*update.tensors(), update.group_name,
                                                      update.load_format)
 
-    def prepare_weights_from_disk(self, model_path: str) -> dict:
+    def prepare_weights_from_disk(self, model_path: str, *, model: str | None = None) -> dict:
+        self._check_update(model)
         return self.weights.prepare_from_disk(model_path)
 
-    def prepare_weights_from_tensor(self, named_tensors: Any) -> dict:
+    def prepare_weights_from_tensor(self, named_tensors: Any, *,
+                                    model: str | None = None) -> dict:
         """(HF name, tensor) pairs in hand (a Ray fleet's object store), kept by reference, or
         a Delta (hotswap.weight_sync)."""
+        self._check_update(model)
         return self.weights.prepare_from_tensor(named_tensors)
 
     def commit_weight_update(self, weight_version: str | None = None,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hotswap.engine.client.protocol import check_request_model
 from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.engine.core.request import Req, Scoring
 from hotswap.engine.core.sampling_params import SamplingParams
@@ -30,10 +31,12 @@ class RequestBuilder:
     session_known: Callable[[str], bool]
     routed_experts: bool = False  # the engine may return routed experts (an MoE model)
     num_labels: int = 0  # a reward model's classes; 0: the model generates
+    model_name: str = ""  # the served model's name: a request naming another is refused
 
     def build(self, request: GenerateRequest) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs.
         One Req per (prompt, sample); whether the call gave a single prompt with n=1."""
+        check_request_model(self.model_name, request.model)
         if self.num_labels:
             raise ValueError("this is a reward model (a *ForSequenceClassification or "
                              "*ForTokenClassification checkpoint): it scores, it does not "
@@ -68,6 +71,7 @@ class RequestBuilder:
     def build_classify(self, request: ClassifyRequest) -> tuple[list[Req], bool]:
         """classify's Reqs, one per prompt, everything checked first; whether the call gave a
         single prompt."""
+        check_request_model(self.model_name, request.model)
         if not self.num_labels:
             raise ValueError("classify needs a reward model (a *ForSequenceClassification or "
                              "*ForTokenClassification checkpoint); this model generates")

@@ -119,8 +119,9 @@ def affinity_key(path: str, body: dict[str, Any]) -> Key:
             messages = messages[0]
         return _canonical(messages)[:-1]  # without "]", so a longer conversation extends it
     prompt = body.get("input_ids")
-    if prompt is None:
-        prompt = body.get("prompt", body.get("text"))
+    for name in ("prompt", "text", "input", "query"):  # "input": vLLM's; "query": OpenRLHF's
+        if prompt is None:
+            prompt = body.get(name)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]
     if isinstance(prompt, str):

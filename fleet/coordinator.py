@@ -6,6 +6,11 @@ stage on every member, and the first member's commit picks the version the other
 members an update or a weight group starts with are the ones it ends with, even if the set of
 members changes meanwhile. `Router` (HTTP servers) and `RayFleet` (Ray actors) are
 coordinators; each says what its members are and how it generates. docs/fleet.md says more.
+
+Members may serve several models (a policy beside a frozen reward model or judge): an update
+reaches the members of the model it names (`model=`), or with none the policy's
+(`_update_members`); reads of the weights, groups, adapters and memory are the policy's; the
+serving-state calls (pause, flush, abort, integrity) reach every member.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class Coordinator(EngineClient):
     def members(self) -> list[Member]:
         """The engines a call made now reaches, labelled for messages."""
 
+    def _update_members(self, model: str | None) -> list[Member]:
+        """The members an update addressed to `model` (None: the policy) reaches; ValueError
+        when no member serves it. Members of one model by default."""
+        return self.members()
+
     def _on_commit(self, version: str, members: list[Member]) -> str:
         """Called after `members` committed `version`; returns a note for the result's
         message (a subclass records the version, or names engines the update left out)."""
@@ -73,37 +83,43 @@ class Coordinator(EngineClient):
     def flush_cache(self, timeout_s: float | None = None) -> dict:
         return self._combined(self.call_each(lambda e: e.flush_cache(timeout_s)), "flushed")
 
+    # A frozen model keeps its memory: released weights come back only with an update.
+
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._combined(self.call_each(lambda e: e.release_memory_occupation(tags)),
-                              "released")
+        return self._combined(self.call_each(lambda e: e.release_memory_occupation(tags),
+                                             self._update_members(None)), "released")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._combined(self.call_each(lambda e: e.resume_memory_occupation(tags)),
-                              "resumed")
+        return self._combined(self.call_each(lambda e: e.resume_memory_occupation(tags),
+                                             self._update_members(None)), "resumed")
 
     def check_integrity(self) -> None:
         failed = failures(self.call_each(lambda e: e.check_integrity()))
         if failed:
             raise AssertionError(f"integrity check failed on {failed}")
 
-    # weights: reads that every member must answer alike
+    # weights: reads that every member of the policy must answer alike
 
     def get_weight_version(self) -> str:
-        return self._same(self.call_each(lambda e: e.get_weight_version()), "weight version")
+        return self._same(self._policy_call(lambda e: e.get_weight_version()), "weight version")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self._same(self.call_each(lambda e: e.get_weights_by_name(name, truncate_size)),
-                          f"values of {name!r}")
+        return self._same(self._policy_call(lambda e: e.get_weights_by_name(
+            name, truncate_size)), f"values of {name!r}")
 
     def list_lora_adapters(self) -> dict[str, int]:
-        return self._same(self.call_each(lambda e: e.list_lora_adapters()), "LoRA adapters")
+        return self._same(self._policy_call(lambda e: e.list_lora_adapters()), "LoRA adapters")
+
+    def _policy_call(self, fn: Callable[[Any], Any]) -> Results:
+        return self.call_each(fn, self._update_members(None))
 
     @_one_update_at_a_time
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        members = self.members()
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False, *,
+                              model: str | None = None) -> dict:
+        members = self._update_members(model)
         result = self._combined(self.call_each(
-            lambda e: e.update_weight_version(new_version, abort_all_requests), members),
-            f"relabelled {new_version!r}")
+            lambda e: e.update_weight_version(new_version, abort_all_requests, model=model),
+            members), f"relabelled {new_version!r}")
         if result["success"]:
             self._on_commit(new_version, members)
         return result
@@ -114,24 +130,27 @@ class Coordinator(EngineClient):
                                        load_format: str | None = None, flush_cache: bool = True,
                                        *, weight_version: str | None = None,
                                        pause_mode: str = "retract",
-                                       commit: bool | None = None) -> dict:
+                                       commit: bool | None = None,
+                                       model: str | None = None) -> dict:
         return self._staged(lambda e: e.update_weights_from_serialized(
             serialized_named_tensors, load_format, flush_cache, weight_version=weight_version,
-            pause_mode=pause_mode, commit=False), resolve_commit(commit, flush_cache),
-            weight_version)
+            pause_mode=pause_mode, commit=False, model=model),
+            resolve_commit(commit, flush_cache), weight_version, self._update_members(model))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
+                                 pause_mode: str = "retract", commit: bool | None = None,
+                                 model: str | None = None) -> dict:
         commit = resolve_commit(commit, flush_cache)
+        members = self._update_members(model)
         if not commit or self._pieces_open():
             return self._staged(lambda e: e.update_weights_from_disk(
                 model_path, load_format, weight_version=weight_version, pause_mode=pause_mode,
-                commit=False), commit, weight_version)
+                commit=False, model=model), commit, weight_version, members)
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r}: checkpoints load as safetensors")
-        return self._two_phase(lambda e: e.prepare_weights_from_disk(model_path),
-                               self.members(), weight_version, pause_mode)
+        return self._two_phase(lambda e: e.prepare_weights_from_disk(model_path, model=model),
+                               members, weight_version, pause_mode)
 
     @_one_update_at_a_time
     def commit_weight_update(self, weight_version: str | None = None,
@@ -139,7 +158,7 @@ class Coordinator(EngineClient):
         """The open update on every member as one version: a prepared one at the version they
         all proposed (or the one given); pieces (commit=False) at the version the first member
         picks (it knows its own history), the others following."""
-        members = self._staged_on or self.members()
+        members = self._staged_on or self._update_members(None)
         if self._proposed is not None:
             version = weight_version or self._proposed
             return self._committed(self.call_each(
@@ -163,7 +182,7 @@ class Coordinator(EngineClient):
 
     @_one_update_at_a_time
     def abort_weight_update(self) -> dict:
-        members = self._staged_on or self.members()
+        members = self._staged_on or self._update_members(None)
         self._staged_on, self._proposed = None, None
         return self._combined(self.call_each(lambda e: e.abort_weight_update(), members),
                               "aborted")
@@ -172,20 +191,21 @@ class Coordinator(EngineClient):
 
     @property
     def weights_dtype(self) -> str:
-        """The dtype every member keeps its weights in (what a delta update carries)."""
-        return self._same(self.call_each(lambda e: e.weights_dtype), "weights' dtype")
+        """The dtype the policy's members keep their weights in (what a delta carries)."""
+        return self._same(self._policy_call(lambda e: e.weights_dtype), "weights' dtype")
 
     @property
     def weight_sync_ranks(self) -> int:
-        """Ranks a group made now takes: every member's (its TP size)."""
-        return sum(e.weight_sync_ranks for _, e in self.members())
+        """Ranks a group made now takes: every policy member's (its TP size)."""
+        return sum(e.weight_sync_ranks for _, e in self._update_members(None))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "auto") -> dict:
         """Member i joins at rank_offset + the ranks of the members before it (one each
-        unless a member runs tensor parallel). The group keeps these members."""
-        members = self.members()
+        unless a member runs tensor parallel). The group keeps these members: the policy's
+        (a frozen model is never in a trainer's group)."""
+        members = self._update_members(None)
         ranks = [e.weight_sync_ranks for _, e in members]
         if rank_offset + sum(ranks) > world_size:
             raise ValueError(f"world_size {world_size} has no room for {sum(ranks)} ranks from "
@@ -199,8 +219,8 @@ class Coordinator(EngineClient):
         return result
 
     def _group_members(self, group_name: str) -> list[Member]:
-        """The members that joined `group_name` (every member if none joined through here)."""
-        return self._groups.get(group_name) or self.members()
+        """The members that joined `group_name` (the policy's if none joined through here)."""
+        return self._groups.get(group_name) or self._update_members(None)
 
     def _update_weights_from_distributed(self, update: DistributedUpdate) -> dict:
         """Every member of the group receives the one broadcast at once. Several engines
@@ -223,7 +243,7 @@ class Coordinator(EngineClient):
             **u.prepare_body()), members, u.weight_version, u.pause_mode)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        members = self._groups.pop(group_name, None) or self.members()
+        members = self._groups.pop(group_name, None) or self._update_members(None)
         results = self.call_each(lambda e: e.destroy_weights_update_group(group_name), members)
         return self._combined(results, f"destroyed {group_name!r}")
 
@@ -234,23 +254,24 @@ class Coordinator(EngineClient):
         return self._prepare(lambda e: e.prepare_weights_from_distributed(
             **update.prepare_body()), self._group_members(update.group_name))
 
-    def prepare_weights_from_disk(self, model_path: str) -> dict:
-        return self._prepare(lambda e: e.prepare_weights_from_disk(model_path), self.members())
+    def prepare_weights_from_disk(self, model_path: str, *, model: str | None = None) -> dict:
+        return self._prepare(lambda e: e.prepare_weights_from_disk(model_path, model=model),
+                             self._update_members(model))
 
-    # LoRA adapters: the same adapters everywhere
+    # LoRA adapters: the same adapters on every member of the policy
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, *,
                           pause_mode: str = "retract") -> dict:
-        return self._combined(self.call_each(lambda e: e.load_lora_adapter(
+        return self._combined(self._policy_call(lambda e: e.load_lora_adapter(
             lora_name, lora_path, pause_mode=pause_mode)), f"loaded {lora_name!r}")
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict,
                                        *, pause_mode: str = "retract") -> dict:
-        return self._combined(self.call_each(lambda e: e.load_lora_adapter_from_tensors(
+        return self._combined(self._policy_call(lambda e: e.load_lora_adapter_from_tensors(
             lora_name, tensors, config_dict, pause_mode=pause_mode)), f"loaded {lora_name!r}")
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
-        return self._combined(self.call_each(lambda e: e.unload_lora_adapter(lora_name)),
+        return self._combined(self._policy_call(lambda e: e.unload_lora_adapter(lora_name)),
                               f"unloaded {lora_name!r}")
 
     # all or none

@@ -115,6 +115,11 @@ class PDRouter(Coordinator):
         return ([(f"prefill[{i}]", e) for i, e in enumerate(self.prefill_engines)]
                 + [(f"decode[{i}]", e) for i, e in enumerate(self.decode_engines)])
 
+    @property
+    def model_name(self) -> str:
+        """The model every engine of the pairs serves."""
+        return self._same(self.call_each(lambda e: e.model_name), "served model name")
+
     def shutdown(self) -> None:
         """Stops the router's threads; the engines keep running (their owner shuts them),
         except the actors of `on_ray`, which stop here."""
@@ -315,11 +320,11 @@ class PDRouter(Coordinator):
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict:
+                                   pause_mode: str = "retract", commit: bool | None = None,
+                                   model: str | None = None) -> dict:
         return self.update_weights_from_serialized(
             [serialize_named_tensors(named_tensors)], load_format, flush_cache,
-            weight_version=weight_version, pause_mode=pause_mode, commit=commit)
+            weight_version=weight_version, pause_mode=pause_mode, commit=commit, model=model)
 
 
 def _listed(out: dict | list[dict]) -> list[dict]:

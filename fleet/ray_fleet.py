@@ -8,6 +8,10 @@ requests are sampled again on live replicas (dispatch.py) and a new actor takes 
 bundle (health.py). Control calls and updates are the Coordinator's (all serving replicas,
 all or none); the members an update starts with are the ones it ends with, and a replica
 still joining is left out and catches up after it.
+
+Beside its policy a fleet may hold frozen models (`extra_models`: a reward model, a judge),
+each a fleet of its own (`fleet.models[name]`): a request or update naming one (`model=`) goes
+to it; everything else, weight updates included, is the policy's.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Any
 from hotswap.engine.client.protocol import resolve_commit
 from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
 from hotswap.fleet.affinity import PrefixAffinity
-from hotswap.fleet.coordinator import Coordinator, Member
+from hotswap.fleet.coordinator import Member
 from hotswap.fleet.dispatch import Dispatcher, ReplicaGone, async_events
+from hotswap.fleet.extra_models import ExtraModels, by_model
 from hotswap.fleet.fleet_weights import FleetWeights
 from hotswap.fleet.health import Health
 from hotswap.fleet.placement import Placement, Replica, ReplicaSpec
@@ -34,21 +39,26 @@ from hotswap.weight_sync.delta import Delta
 
 logger = logging.getLogger("hotswap.fleet")
 
-
-class RayFleet(Coordinator):
+class RayFleet(ExtraModels):
     def __init__(self, model_path: str, replicas: int = 1, tp_size: int = 1,
                  engine_kwargs: dict | None = None,
                  resources_per_replica: dict[str, float] | None = None,
                  placement: str = "pack", placement_group: Any = None, *,
                  http: bool = False, health_period_s: float = 1.0,
                  start_timeout_s: float = 600.0, cache_threshold: float = 0.5,
-                 max_concurrency: int = 256):
+                 max_concurrency: int = 256,
+                 extra_models: dict[str, dict[str, Any]] | None = None):
         """replicas Engine(model_path, tp_size=tp_size, **engine_kwargs) actors, each in one
         bundle of `resources_per_replica` ({"CPU": 1} by default; {"GPU": tp_size} on GPUs).
         placement "pack" or "spread" (one replica per node) applies to the fleet's own
         placement group; with `placement_group` replica i takes its bundle i. `http`: each
-        replica also serves the engine's HTTP API (its URL in replicas_info)."""
+        replica also serves the engine's HTTP API (its URL in replicas_info).
+        extra_models: name -> {"model_path", optionally FLEET_ARGS (extra_models.py; replicas:
+        1), and its EngineConfig kwargs}: frozen models served beside the policy under that
+        name, each a fleet of its own (`models[name]`)."""
         super().__init__()
+        self._extras: dict[str, RayFleet] = {}
+        self._open_on: RayFleet | None = None  # an extra model's fleet holding an update open
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
         spec = ReplicaSpec(model_path, {**(engine_kwargs or {}), "tp_size": tp_size},
@@ -74,10 +84,13 @@ class RayFleet(Coordinator):
                                     cache_threshold=cache_threshold, wait_s=start_timeout_s)
         try:
             self._start_first(replicas)
+            self._health.start()
+            self._start_extras(extra_models or {}, http=http, health_period_s=health_period_s,
+                               start_timeout_s=start_timeout_s, cache_threshold=cache_threshold,
+                               max_concurrency=max_concurrency)
         except BaseException:
             self.shutdown()
             raise
-        self._health.start()
 
     def _start_first(self, count: int) -> None:
         """The first replicas serve at once: they all loaded the same checkpoint."""
@@ -88,6 +101,7 @@ class RayFleet(Coordinator):
         if len(versions) != 1:
             raise RuntimeError(f"fresh replicas disagree on their version: {versions}")
         self._weights.version = versions.pop()
+        self._model_name = started[0].info["model_name"]
         for replica in started:
             replica.state = "serving"
 
@@ -98,6 +112,11 @@ class RayFleet(Coordinator):
     def version(self) -> str:
         """The weight version every serving replica holds."""
         return self._weights.version
+
+    @property
+    def model_name(self) -> str:
+        """The policy's served name (`models` maps every model's to its fleet)."""
+        return self._model_name
 
     # members and states
 
@@ -183,6 +202,8 @@ class RayFleet(Coordinator):
         if self._stopped.is_set():
             return
         self._stopped.set()
+        for extra in self._extras.values():
+            extra.shutdown()
         self._placement.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._owns_ray:
@@ -194,6 +215,9 @@ class RayFleet(Coordinator):
         """Rows with the same prompt (and all samples of a row) go to one replica; outputs
         come back in the order given. A replica that dies takes no request with it: its rows
         are sampled again from the prompt on a live replica (meta_info "resubmitted")."""
+        target = self._fleet_for(request.model)
+        if target is not self:
+            return target._generate(request)
         rows, single = request.split()
         if request.stream:
             return self._dispatch.stream(rows)
@@ -210,6 +234,9 @@ class RayFleet(Coordinator):
     # scoring: one replica scores a call (dispatch.py)
 
     def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
+        target = self._fleet_for(request.model)
+        if target is not self:
+            return target._classify(request)
         return self._dispatch.classify(request)
 
     async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
@@ -235,10 +262,11 @@ class RayFleet(Coordinator):
 
     # weights through the object store; adapters recorded for replicas that join later
 
+    @by_model
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict:
+                                   pause_mode: str = "retract", commit: bool | None = None,
+                                   model: str | None = None) -> dict:
         """One `ray.put` of the tensors; every replica reads them from the object store. A
         committing call prepares on every replica (validated and checked while serving goes
         on) and commits on all, so one replica's refusal leaves every replica serving its old
@@ -251,17 +279,17 @@ class RayFleet(Coordinator):
             if not commit or self._pieces_open():
                 raise ValueError("a delta commits as one update: not with commit=False pieces")
             delta_ref = ray_module().put(named_tensors)
-            return self._two_phase(lambda e: e.prepare_tensors(delta_ref), self.members(),
-                                   weight_version, pause_mode)
+            return self._two_phase(lambda e: e.prepare_tensors(delta_ref, model),
+                                   self.members(), weight_version, pause_mode)
         if load_format not in (None, "direct"):
             raise ValueError(f"load_format {load_format!r}: a fleet takes tensors as they are")
         ref = ray_module().put(pack_tensors(named_tensors))
         if commit and not self._pieces_open():
-            return self._two_phase(lambda e: e.prepare_tensors(ref), self.members(),
+            return self._two_phase(lambda e: e.prepare_tensors(ref, model), self.members(),
                                    weight_version, pause_mode)
         return self._staged(lambda e: e.update_tensors(
             ref, load_format, flush_cache, weight_version=weight_version,
-            pause_mode=pause_mode, commit=False), commit, weight_version)
+            pause_mode=pause_mode, commit=False, model=model), commit, weight_version)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """Dead replicas left the group when they died."""

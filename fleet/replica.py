@@ -31,7 +31,8 @@ Packed = list[tuple[str, str, tuple[int, ...], np.ndarray]]
 # Calls the fleet forwards by name (ReplicaClient spells out one method for each): the engine
 # interface, minus generation and what the replica implements itself, plus its load.
 FORWARDED = (interface_methods() - {"generate", "async_generate", "async_classify", "shutdown",
-                                    "weight_sync_ranks"}) | {"get_load"} | handoff_methods()
+                                    "weight_sync_ranks", "model_name"}
+             ) | {"get_load"} | handoff_methods()
 
 
 class EngineReplica:
@@ -69,6 +70,7 @@ class EngineReplica:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "weight_version": self.engine.get_weight_version(),
                 "weight_sync_ranks": self.engine.weight_sync_ranks,
+                "model_name": self.engine.model_name,
                 "running": load["running"], "waiting": load["waiting"], "url": self.url,
                 "node_ip": ray.util.get_node_ip_address()}
 
@@ -104,12 +106,12 @@ class EngineReplica:
     def weights_dtype(self) -> str:
         return self.engine.weights_dtype
 
-    def prepare_tensors(self, packed: Packed | Delta) -> dict:
+    def prepare_tensors(self, packed: Packed | Delta, model: str | None = None) -> dict:
         """Phase one of a two-phase update from tensors in the object store (pack_tensors):
         validated and checked while serving goes on; commit_weight_update applies them."""
         if isinstance(packed, Delta):  # small: through the object store as it is
-            return self.engine.prepare_weights_from_tensor(packed)
-        return self.engine.prepare_weights_from_tensor(unpack_tensors(packed))
+            return self.engine.prepare_weights_from_tensor(packed, model=model)
+        return self.engine.prepare_weights_from_tensor(unpack_tensors(packed), model=model)
 
     def update_tensors(self, packed: Packed, *args: Any, **kwargs: Any) -> dict:
         """update_weights_from_tensor with tensors from the object store (pack_tensors)."""

@@ -77,8 +77,12 @@ class ReplicaClient:
     def weights_dtype(self) -> str:
         return self.get(self.actor.weights_dtype.remote())
 
-    def prepare_tensors(self, packed: Any) -> dict:
-        return self.get(self.actor.prepare_tensors.remote(packed))
+    @property
+    def model_name(self) -> str:
+        return self.get(self.actor.info.remote())["model_name"]
+
+    def prepare_tensors(self, packed: Any, model: str | None = None) -> dict:
+        return self.get(self.actor.prepare_tensors.remote(packed, model))
 
     def update_tensors(self, packed: Any, *args: Any, **kwargs: Any) -> dict:
         return self.get(self.actor.update_tensors.remote(packed, *args, **kwargs))

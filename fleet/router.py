@@ -5,6 +5,11 @@ that server is much busier than the least loaded one or the match is short; then
 loaded server takes it. Control calls and weight updates are the Coordinator's: every server,
 all or none (coordinator.py). docs/fleet.md#router says more.
 
+Servers may serve different models (a policy and its reward model or judge): the Router asks
+each its served name and whether it is frozen, and sends a request (generate, classify) to the
+servers of the model it names (`model=`), or with none to the policy, the one model that is not
+frozen; an update goes to the servers of the model it names, or to the policy's.
+
 `create_router_app(router)` (router_app.py) is its HTTP front; `python -m hotswap.fleet` runs it.
 """
 
@@ -15,8 +20,11 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import httpx
+
 from hotswap.engine.client.remote import RemoteEngine
 from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
+from hotswap.engine.errors import RemoteEngineError
 from hotswap.fleet.affinity import Key, PrefixAffinity, affinity_key
 from hotswap.fleet.coordinator import Coordinator, Member, ServersDisagree
 from hotswap.weight_sync.serialize import serialize_named_tensors
@@ -53,6 +61,8 @@ class Router(Coordinator):
         self.assigned = [0] * len(self.urls)
         self._down_until = [0.0] * len(self.urls)
         self._lock = threading.Lock()
+        # per server: (model name, frozen), asked once; None until the server answers
+        self._served: list[tuple[str, bool] | None] = [None] * len(self.urls)
 
     def __repr__(self) -> str:
         return f"Router({self.urls!r})"
@@ -65,6 +75,82 @@ class Router(Coordinator):
     def members(self) -> list[Member]:
         return list(zip(self.urls, self.engines, strict=True))
 
+    # models: each server's, asked once
+
+    @property
+    def served_models(self) -> dict[str, dict[str, Any]]:
+        """model name -> {"frozen", "servers" (indices)} of the servers that answered."""
+        return self._models(every=False)
+
+    def _models(self, every: bool) -> dict[str, dict[str, Any]]:
+        """Servers unreachable so far are asked again (a down one after _DOWN_FOR_S) and left
+        out meanwhile; `every`: an update's, which must know every server's model."""
+        served = self._ask_models()
+        missing = [self.urls[i] for i, s in enumerate(served) if s is None]
+        if missing and (every or len(missing) == len(served)):
+            raise RemoteEngineError(502, f"{', '.join(missing)}: unreachable, so the model "
+                                    "it serves is unknown")
+        models: dict[str, dict[str, Any]] = {}
+        for i, known in enumerate(served):
+            if known is None:
+                continue
+            name, frozen = known
+            entry = models.setdefault(name, {"frozen": frozen, "servers": []})
+            if entry["frozen"] != frozen:
+                raise ValueError(f"model {name!r} is frozen on some servers and not on others")
+            entry["servers"].append(i)
+        return models
+
+    def _ask_models(self) -> list[tuple[str, bool] | None]:
+        with self._lock:
+            served, down = list(self._served), list(self._down_until)
+        now = time.monotonic()
+        for i, engine in enumerate(self.engines):
+            if served[i] is None and down[i] <= now:
+                try:
+                    served[i] = (engine.model_name, engine.frozen)
+                except (httpx.TransportError, RemoteEngineError):
+                    self.mark_down(i)
+        with self._lock:
+            self._served = served
+        return served
+
+    @property
+    def model_name(self) -> str:
+        """The policy's name: the one model its servers serve that is not frozen."""
+        return self._default_model(update=True)
+
+    def _default_model(self, update: bool) -> str:
+        models = self._models(every=update)
+        policies = sorted(n for n, m in models.items() if not m["frozen"])
+        if len(policies) == 1:
+            return policies[0]
+        if not policies and len(models) == 1 and not update:
+            return next(iter(models))
+        which = (f"several models that are not frozen ({', '.join(policies)})" if policies
+                 else f"only frozen models ({', '.join(sorted(models))})")
+        raise ValueError(f"the servers serve {which}: name one with model=")
+
+    def servers_for(self, model: str | None, update: bool = False,
+                    openai: bool = False) -> list[int]:
+        """The servers of `model` (None: the policy); ValueError for a model none serves.
+        openai: the OpenAI routes' "model", where "name:adapter" names an adapter of `name`
+        and any unknown name the policy (clients send placeholders)."""
+        models = self._models(every=update)
+        if openai and model not in models:
+            base = model.rsplit(":", 1)[0] if isinstance(model, str) else None
+            model = base if base in models else None
+        if model is None:
+            model = self._default_model(update)
+        if model not in models:
+            raise ValueError(f"model {model!r}: no server serves it (served: "
+                             f"{', '.join(sorted(models))})")
+        return models[model]["servers"]
+
+    def _update_members(self, model: str | None) -> list[Member]:
+        members = self.members()
+        return [members[i] for i in self.servers_for(model, update=True)]
+
     def shutdown(self) -> None:
         """Closes the connections; the servers keep running."""
         for engine in self.engines:
@@ -72,13 +158,16 @@ class Router(Coordinator):
 
     # routing
 
-    def choose(self, key: Key, server: int | None = None) -> int:
-        """The server for a prompt `key` (or the given one: a session's); counts it in flight
-        until `done(server)`."""
+    def choose(self, key: Key, server: int | None = None,
+               among: Sequence[int] | None = None) -> int:
+        """The server for a prompt `key` among `among` (one model's servers; None: all), or
+        the given one (a session's); counts it in flight until `done(server)`. Prefix
+        affinity is per model: only matches on `among` count."""
+        pool = list(range(len(self.urls))) if among is None else list(among)
         with self._lock:
             now = time.monotonic()
-            up = [i for i in range(len(self.urls)) if self._down_until[i] <= now]
-            candidates = up or list(range(len(self.urls)))
+            up = [i for i in pool if self._down_until[i] <= now]
+            candidates = up or pool
             if server is None:
                 server = self._cached_choice(key, candidates)
             if server is None:
@@ -107,14 +196,15 @@ class Router(Coordinator):
         with self._lock:
             self._down_until[server] = time.monotonic() + _DOWN_FOR_S
 
-    def least_loaded(self) -> int:
+    def least_loaded(self, among: Sequence[int] | None = None) -> int:
+        pool = range(len(self.urls)) if among is None else among
         with self._lock:
-            return min(range(len(self.urls)), key=lambda i: (self.inflight[i], i))
+            return min(pool, key=lambda i: (self.inflight[i], i))
 
-    # sessions: each stays on the server that opened it
+    # sessions: each stays on the policy's server that opened it
 
     def open_session(self, ttl_s: float = 300.0, session_id: str | None = None) -> str:
-        server = self.least_loaded()
+        server = self.least_loaded(self.servers_for(None))
         session = self.engines[server].open_session(ttl_s, session_id)
         with self._lock:
             self._sessions[session] = server
@@ -156,7 +246,8 @@ class Router(Coordinator):
         prompt."""
         session = request.session_id
         server = self.session_server(session) if session is not None else None
-        return self.choose(affinity_key("/generate", request.body()), server)
+        return self.choose(affinity_key("/generate", request.body()), server,
+                           self.servers_for(request.model))
 
     def _counted(self, events: Iterator[dict], server: int) -> Iterator[dict]:
         try:
@@ -187,14 +278,16 @@ class Router(Coordinator):
     # scoring: a call's prompts go to one server, chosen by the first prompt like generate's
 
     def _classify(self, request: ClassifyRequest) -> dict | list[dict]:
-        server = self.choose(affinity_key("/generate", request.body()))
+        server = self.choose(affinity_key("/generate", request.body()), None,
+                             self.servers_for(request.model))
         try:
             return self.engines[server].classify(**request.body())
         finally:
             self.done(server)
 
     async def _async_classify(self, request: ClassifyRequest) -> dict | list[dict]:
-        server = self.choose(affinity_key("/generate", request.body()))
+        server = self.choose(affinity_key("/generate", request.body()), None,
+                             self.servers_for(request.model))
         try:
             return await self.engines[server].async_classify(**request.body())
         finally:
@@ -202,9 +295,9 @@ class Router(Coordinator):
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict:
+                                   pause_mode: str = "retract", commit: bool | None = None,
+                                   model: str | None = None) -> dict:
         return self.update_weights_from_serialized(
             [serialize_named_tensors(named_tensors)], load_format, flush_cache,
-            weight_version=weight_version, pause_mode=pause_mode, commit=commit)
+            weight_version=weight_version, pause_mode=pause_mode, commit=commit, model=model)
 

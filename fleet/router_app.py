@@ -1,7 +1,8 @@
 """The Router's HTTP front, built from the server's own route table (engine/server/app.py).
 
-- `/generate`, `/v1/completions`, `/v1/chat/completions`: proxied to the server the Router
-  picks (prefix affinity, then load), streams included; `x-hotswap-server` names it.
+- Inference (`/generate`, the OpenAI routes, the scoring routes): proxied to a server of the
+  model the body names ("model"; none: the policy) that the Router picks (prefix affinity, then
+  load), streams included; `x-hotswap-server` names it.
 - Control routes whose meaning spans servers (updates, groups, two phases, reads that must
   agree): the Router's methods, with the server's own request bodies.
 - Every other control route, GET or POST: sent to every server; the first error, or all replies.
@@ -25,6 +26,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
+from hotswap.engine.client.protocol import CLASSIFY_PATH
 from hotswap.engine.errors import RemoteEngineError
 from hotswap.engine.server.app import control_paths, install_error_handlers, route_table
 from hotswap.engine.server.protocol import (
@@ -38,7 +40,10 @@ from hotswap.engine.server.protocol import (
     WeightsByNameRequest,
 )
 from hotswap.engine.server.serving import GuardMiddleware, error_response, json_response
-from hotswap.engine.server.sglang_compat import UpdateFromTensorRequest
+from hotswap.engine.server.sglang_compat import (
+    UpdateFromTensorRequest,
+    UpdateWeightVersionRequest,
+)
 from hotswap.engine.server.update_routes import (
     CommitRequest,
     PrepareFromDiskRequest,
@@ -49,14 +54,20 @@ from hotswap.fleet.router import Router
 
 logger = logging.getLogger("hotswap.router")
 
-INFERENCE_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+# Routed by the body's "model": exactly a served name on hotswap's own routes; on the others
+# (OpenAI's, vLLM's, OpenRLHF's) "name:adapter" or an unknown name means the policy.
+NATIVE_PATHS = frozenset({"/generate", CLASSIFY_PATH})
+INFERENCE_PATHS = NATIVE_PATHS | {"/v1/completions", "/v1/chat/completions", "/classify",
+                                  "/v1/classify", "/v1/embeddings", "/get_reward"}
 
 
 def _owned(router: Router) -> dict[str, tuple[type[BaseModel] | None, bool, Callable[..., Any]]]:
     """path -> (body model, body optional, call): the control routes the Router answers itself."""
     def update_from_tensor(abort_all_requests: bool, **kwargs: Any) -> dict:
-        if abort_all_requests:
-            router.abort_request(abort_all=True)
+        if abort_all_requests:  # on the servers the update is for
+            members = router.members()
+            router.call_each(lambda e: e.abort_request(abort_all=True), [
+                members[i] for i in router.servers_for(kwargs.get("model"), update=True)])
         return router.update_weights_from_serialized(**kwargs)
 
     def check_integrity() -> dict:
@@ -70,6 +81,8 @@ def _owned(router: Router) -> dict[str, tuple[type[BaseModel] | None, bool, Call
         "/update_weights_from_disk": (UpdateFromDiskRequest, False,
                                       router.update_weights_from_disk),
         "/update_weights_from_tensor": (UpdateFromTensorRequest, False, update_from_tensor),
+        "/update_weight_version": (UpdateWeightVersionRequest, False,
+                                   router.update_weight_version),
         "/init_weights_update_group": (InitGroupRequest, False, router.init_weights_update_group),
         "/update_weights_from_distributed": (UpdateFromDistributedRequest, False,
                                              router.update_weights_from_distributed),
@@ -121,17 +134,34 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
 
     @app.get("/get_server_info")
     async def get_server_info() -> Response:
-        """One server's answer, with what a trainer's group must count for all of them."""
+        """A policy server's answer, with what a trainer's group must count for all of them
+        and every model served behind the router."""
         try:
             ranks = await asyncio.to_thread(lambda: router.weight_sync_ranks)
-            upstream = await clients[router.least_loaded()].get("/get_server_info",
-                                                                headers=headers(False))
+            models = await asyncio.to_thread(lambda: router.served_models)
+            policy = router.least_loaded(router.servers_for(None))
+            upstream = await clients[policy].get("/get_server_info", headers=headers(False))
         except (httpx.TransportError, RemoteEngineError) as exc:
             return error_response(502, f"a server is unreachable: {exc}", "server_unavailable")
         if upstream.status_code >= 400:
             return _relayed(upstream)
         return json_response({**upstream.json(), "weight_sync_ranks": ranks,
-                              "servers": router.urls})
+                              "servers": router.urls, "models": {
+                                  name: {"frozen": m["frozen"],
+                                         "servers": [router.urls[i] for i in m["servers"]]}
+                                  for name, m in models.items()}})
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        """Every model behind the router (with its adapters), from one server of each."""
+        models = await asyncio.to_thread(lambda: router.served_models)
+        answers = await asyncio.gather(*(clients[m["servers"][0]].get(
+            "/v1/models", headers=headers(False)) for m in models.values()))
+        for answer in answers:
+            if answer.status_code >= 400:
+                return _relayed(answer)
+        return json_response({"object": "list",
+                              "data": [m for a in answers for m in a.json()["data"]]})
 
     @app.post("/open_session")
     async def open_session(body: OpenSessionRequest) -> Response:
@@ -155,10 +185,12 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
             raise ValueError("request body must be a JSON object")
         path = request.url.path
         key = affinity_key(path, payload)
+        among = await asyncio.to_thread(router.servers_for, payload.get("model"), False,
+                                        path not in NATIVE_PATHS)
         held = router.session_server(payload["session_id"]) if payload.get(
             "session_id") is not None else None
-        for _ in range(len(router.urls)):
-            server = router.choose(key, held)
+        for _ in range(len(among)):
+            server = router.choose(key, held, among)
             try:
                 upstream = await clients[server].send(clients[server].build_request(
                     "POST", path, content=body, headers=headers(False)), stream=True)
@@ -183,7 +215,9 @@ def create_router_app(router: Router, max_body_bytes: int = 32 << 20) -> FastAPI
 
     owned = _owned(router)
     taken = {(method, r.path) for r in app.routes for method in getattr(r, "methods", ())}
-    for method, path, is_control in route_table():
+    # The scoring routes are proxied even where the servers' table lacks them (their 404).
+    table = set(route_table()) | {("POST", path, False) for path in INFERENCE_PATHS}
+    for method, path, is_control in sorted(table):
         if (method, path) in taken:
             continue
         if path in INFERENCE_PATHS:

@@ -59,6 +59,23 @@ def resolve_commit(commit: bool | None, flush_cache: bool) -> bool:
     return bool(flush_cache) if commit is None else bool(commit)
 
 
+def check_request_model(served: str, model: str | None) -> None:
+    """A request naming a model (model=) goes to an engine serving it: ValueError otherwise."""
+    if model is not None and model != served:
+        raise ValueError(f"model {model!r}: this engine serves {served!r}")
+
+
+def check_update_model(served: str, frozen: bool, model: str | None) -> None:
+    """Whether an update addressed to `model` (None: the policy) may change an engine serving
+    `served`: one naming another model is refused, and a frozen engine (a reward model, a
+    judge) takes only updates that name it, so a policy's updates never reach it."""
+    if model is not None and model != served:
+        raise ValueError(f"the update is for model {model!r}; this engine serves {served!r}")
+    if model is None and frozen:
+        raise ValueError(f"this engine serves frozen model {served!r}; an update must pass "
+                         f"model={served!r}")
+
+
 def memory_tags(tags: list[str] | None) -> list[str]:
     if tags is None:
         return list(MEMORY_TAGS)
@@ -79,6 +96,12 @@ class EngineClient(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    @property
+    @abstractmethod
+    def model_name(self) -> str:
+        """The served model's name (EngineConfig.served_model_name; a fleet's: its policy's):
+        what `model=` names in requests and updates."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -170,8 +193,11 @@ class EngineClient(ABC):
         """The version new requests are served with."""
 
     @abstractmethod
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        """Relabels the serving weights (they do not change); old cache namespaces retire."""
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False, *,
+                              model: str | None = None) -> dict:
+        """Relabels the serving weights (they do not change); old cache namespaces retire.
+        model: as for updates (every update method takes it): the model it is for; None: the
+        policy. A frozen model refuses an update that does not name it (check_update_model)."""
 
     @abstractmethod
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
@@ -180,8 +206,8 @@ class EngineClient(ABC):
     @abstractmethod
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict:
+                                   pause_mode: str = "retract", commit: bool | None = None,
+                                   model: str | None = None) -> dict:
         """(HF name, tensor) pairs or a dict; a subset of the weights is fine. commit=False
         sends a piece of an update that holds generation until commit_weight_update; None:
         see resolve_commit."""
@@ -191,14 +217,16 @@ class EngineClient(ABC):
                                        load_format: str | None = None, flush_cache: bool = True,
                                        *, weight_version: str | None = None,
                                        pause_mode: str = "retract",
-                                       commit: bool | None = None) -> dict:
+                                       commit: bool | None = None,
+                                       model: str | None = None) -> dict:
         """update_weights_from_tensor with the tensors as base64 safetensors, one string per
         sender rank (the form of the HTTP route)."""
 
     @abstractmethod
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
+                                 pause_mode: str = "retract", commit: bool | None = None,
+                                 model: str | None = None) -> dict:
         """Loads a checkpoint folder of the same architecture (a path the engine can read)."""
 
     # weights: a trainer's process group
@@ -243,7 +271,7 @@ class EngineClient(ABC):
         """prepare_weights_from_distributed's work (the update's commit fields unset)."""
 
     @abstractmethod
-    def prepare_weights_from_disk(self, model_path: str) -> dict:
+    def prepare_weights_from_disk(self, model_path: str, *, model: str | None = None) -> dict:
         """Opens an update from a checkpoint, read and validated while serving goes on."""
 
     @abstractmethod

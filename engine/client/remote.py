@@ -40,6 +40,7 @@ class RemoteEngine(EngineClient, HandoffClient):
         self._client = httpx.Client(base_url=self.url, timeout=self._timeout)
         self._async: dict[int, httpx.AsyncClient] = {}  # one per event loop
         self._weight_sync_ranks: int | None = None
+        self._served: tuple[str, bool] | None = None  # (model name, frozen), asked once
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.url!r})"
@@ -132,6 +133,22 @@ class RemoteEngine(EngineClient, HandoffClient):
     def get_weight_version(self) -> str:
         return self._call("GET", "/get_weight_version")["weight_version"]
 
+    @property
+    def model_name(self) -> str:
+        """The server's served model name (asked once)."""
+        return self._served_model()[0]
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the server's model is frozen: its updates must name it (asked once)."""
+        return self._served_model()[1]
+
+    def _served_model(self) -> tuple[str, bool]:
+        if self._served is None:
+            info = self._call("GET", "/get_server_info")
+            self._served = (str(info["served_model_name"]), bool(info.get("frozen", False)))
+        return self._served
+
     def get_metrics(self) -> str:
         response = self._client.get("/metrics", headers=self._headers(False))
         _raise_for_error(response.status_code, response.content)
@@ -139,34 +156,38 @@ class RemoteEngine(EngineClient, HandoffClient):
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True, *, weight_version: str | None = None,
-                                   pause_mode: str = "retract",
-                                   commit: bool | None = None) -> dict:
+                                   pause_mode: str = "retract", commit: bool | None = None,
+                                   model: str | None = None) -> dict:
         """The tensors travel in the body (base64 safetensors): one call per bucket; for a
         whole model prefer a WeightSender (update_weights_from_distributed)."""
         return self.update_weights_from_serialized(
             [serialize_named_tensors(named_tensors)], load_format, flush_cache,
-            weight_version=weight_version, pause_mode=pause_mode, commit=commit)
+            weight_version=weight_version, pause_mode=pause_mode, commit=commit, model=model)
 
     def update_weights_from_serialized(self, serialized_named_tensors: list[str],
                                        load_format: str | None = None, flush_cache: bool = True,
                                        *, weight_version: str | None = None,
                                        pause_mode: str = "retract",
-                                       commit: bool | None = None) -> dict:
+                                       commit: bool | None = None,
+                                       model: str | None = None) -> dict:
         return self._post_control(
             "/update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
             load_format=load_format, flush_cache=flush_cache, weight_version=weight_version,
-            pause_mode=pause_mode, commit=commit)
+            pause_mode=pause_mode, commit=commit, **_named(model))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
                                  weight_version: str | None = None, flush_cache: bool = True,
-                                 pause_mode: str = "retract", commit: bool | None = None) -> dict:
+                                 pause_mode: str = "retract", commit: bool | None = None,
+                                 model: str | None = None) -> dict:
         return self._post_control("/update_weights_from_disk", model_path=model_path,
                                   load_format=load_format, weight_version=weight_version,
-                                  flush_cache=flush_cache, pause_mode=pause_mode, commit=commit)
+                                  flush_cache=flush_cache, pause_mode=pause_mode, commit=commit,
+                                  **_named(model))
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False, *,
+                              model: str | None = None) -> dict:
         return self._post_control("/update_weight_version", new_version=new_version,
-                                  abort_all_requests=abort_all_requests)
+                                  abort_all_requests=abort_all_requests, **_named(model))
 
     @property
     def weights_dtype(self) -> str:
@@ -200,8 +221,9 @@ class RemoteEngine(EngineClient, HandoffClient):
     def _prepare_weights_from_distributed(self, update: DistributedUpdate) -> dict:
         return self._post_control("/prepare_weights_from_distributed", **update.body())
 
-    def prepare_weights_from_disk(self, model_path: str) -> dict:
-        return self._post_control("/prepare_weights_from_disk", model_path=model_path)
+    def prepare_weights_from_disk(self, model_path: str, *, model: str | None = None) -> dict:
+        return self._post_control("/prepare_weights_from_disk", model_path=model_path,
+                                  **_named(model))
 
     def commit_weight_update(self, weight_version: str | None = None,
                              pause_mode: str | None = None) -> dict:
@@ -304,6 +326,11 @@ class RemoteEngine(EngineClient, HandoffClient):
 
 
 _DONE = object()
+
+
+def _named(model: str | None) -> dict[str, str]:
+    """An update body's model field, only when given (a server older than it takes the rest)."""
+    return {} if model is None else {"model": model}
 
 
 def _sse_event(line: str) -> Any:

@@ -8,7 +8,8 @@ replica client take the same keywords without spelling them out, and the HTTP ro
 are its fields too. A new argument is one field here, plus its handling where it is used.
 `ClassifyRequest` does the same for classify and async_classify (a reward model's scores),
 sharing the prompt inputs and their split into rows (`PromptRequest`). `DistributedUpdate` does
-the same for update_weights_from_distributed and prepare_weights_from_distributed.
+the same for update_weights_from_distributed and prepare_weights_from_distributed. Each has a
+`model` field: the served model the call is for (docs/api.md#model-names-and-frozen-models).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class GenerateRequest(PromptRequest):
     return_routed_experts: bool = False
     # an open session's (open_session): the turn's KV stays pinned after it
     session_id: str | list[str | None] | None = _per_prompt(str)
+    model: str | None = None  # the served model's name (a fleet routes by it); None: the policy
 
     @property
     def samples(self) -> int:
@@ -136,6 +138,7 @@ class GenerateRequest(PromptRequest):
         for name in ("return_logprob", "stream", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
+        _check_model(self.model)
         top = self.top_logprobs_num
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]")
@@ -162,6 +165,7 @@ class ClassifyRequest(PromptRequest):
     returned_token_ids: list[int] | None = None
     cache_salt: str | list[str | None] | None = _per_prompt(str)  # other salts share no KV
     rid: str | list[str | None] | None = _per_prompt(str)  # generated when absent
+    model: str | None = None  # the reward model's served name (a fleet routes by it)
 
     @property
     def per_token(self) -> bool:
@@ -171,6 +175,7 @@ class ClassifyRequest(PromptRequest):
         for name in ("activation", "return_token_scores"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
+        _check_model(self.model)
         tag = self.step_tag_id
         if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool) or tag < 0):
             raise ValueError("step_tag_id must be a non-negative integer (a token id)")
@@ -202,6 +207,7 @@ class DistributedUpdate(Request):
     commit: bool | None = None
     lora_name: str | None = None  # the names are this adapter's PEFT tensors
     staging: str | None = None  # STAGING_MODES; None: the engine's weight_staging
+    model: str | None = None  # the model updated (a frozen one must be named); None: the policy
 
     def __post_init__(self) -> None:  # JSON and Ray give lists; a trainer may give tuples
         object.__setattr__(self, "names", list(self.names))
@@ -237,6 +243,11 @@ def _prompts(kind: str, value: Any) -> tuple[list[Any], bool]:
         return list(value), False
     raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a "
                      "list of such lists")
+
+
+def _check_model(model: Any) -> None:
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError("model must be a non-empty string (a served model's name)")
 
 
 def _ids(value: Any) -> bool:

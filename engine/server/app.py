@@ -251,13 +251,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine: Any, api_key: str | None = None, admin_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               served_model_name: str | None = None, tool_call_parser: str = "auto",
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = "auto",
                reasoning_parser: str = "auto") -> FastAPI:
-    """The server's ASGI app around `engine` (an Engine; the caller owns its lifetime)."""
+    """The server's ASGI app around `engine` (an Engine; the caller owns its lifetime). It
+    serves the engine's model_name (EngineConfig.served_model_name)."""
     app = FastAPI(title="hotswap", summary="Rollout engine with live weight updates")
-    name = served_model_name or engine.config.model_path.rstrip("/").rsplit("/", 1)[-1]
-    app.state.hotswap = state = ServerState(engine, name, tool_call_parser, reasoning_parser)
+    app.state.hotswap = state = ServerState(engine, engine.model_name, tool_call_parser,
+                                            reasoning_parser)
     for router in (*ROUTERS, handoff_routes, handoff_control):
         app.include_router(router)
     install_error_handlers(app)
@@ -283,7 +283,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "(or set HOTSWAP_API_KEY)")
     p.add_argument("--admin-key", default=None, help="Bearer key for control routes "
                    "(or set HOTSWAP_ADMIN_KEY)")
-    p.add_argument("--served-model-name", default=None)
     p.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "none", *sorted(TOOL_PARSERS)],
                    help="how chat outputs' tool calls are read (auto: from the chat template's "
@@ -360,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     _log_exposure(args.host, api_key, admin_key)
     with Engine(**engine_kwargs(args)) as engine:
         app = create_app(engine, api_key, admin_key, args.max_body_bytes,
-                         args.served_model_name, args.tool_call_parser, args.reasoning_parser)
+                         args.tool_call_parser, args.reasoning_parser)
         logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

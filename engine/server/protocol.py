@@ -317,6 +317,7 @@ class UpdateFromDiskRequest(Body):
     flush_cache: bool = True  # accepted and ignored: see Engine's update methods
     pause_mode: PauseMode = "retract"
     commit: bool | None = None  # None: commit when flush_cache is true (resolve_commit)
+    model: str | None = None  # the model updated; a frozen one must be named
 
 
 class InitGroupRequest(Body):

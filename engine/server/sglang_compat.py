@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import Response
 
+from hotswap.engine.client.protocol import check_update_model
 from hotswap.engine.server.protocol import (
     Body,
     FlushRequest,
@@ -40,11 +41,13 @@ class UpdateFromTensorRequest(Body):
     weight_version: str | None = None
     pause_mode: PauseMode = "retract"
     commit: bool | None = None  # None: commit when flush_cache is true (SGLang's meaning)
+    model: str | None = None  # the model updated; a frozen one must be named
 
 
 class UpdateWeightVersionRequest(Body):
     new_version: str
     abort_all_requests: bool = False
+    model: str | None = None
 
 
 class GenerateOptions:
@@ -169,14 +172,15 @@ async def flush_cache_get(state: State) -> Response:
 @sglang_control.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(state: State, body: UpdateFromTensorRequest) -> Response:
     if body.abort_all_requests:
+        check_update_model(state.model_name, state.engine.config.frozen, body.model)
         state.engine.abort_request(abort_all=True)
     return await blocking(state.engine.update_weights_from_serialized,
                           body.serialized_named_tensors, body.load_format, body.flush_cache,
                           weight_version=body.weight_version, pause_mode=body.pause_mode,
-                          commit=body.commit)
+                          commit=body.commit, model=body.model)
 
 
 @sglang_control.post("/update_weight_version")
 async def update_weight_version(state: State, body: UpdateWeightVersionRequest) -> Response:
     return await blocking(state.engine.update_weight_version, body.new_version,
-                          body.abort_all_requests)
+                          body.abort_all_requests, model=body.model)

@@ -24,6 +24,7 @@ update_routes = APIRouter()
 
 class PrepareFromDiskRequest(Body):
     model_path: str
+    model: str | None = None
 
 
 class CommitRequest(Body):
@@ -39,7 +40,8 @@ async def prepare_weights_from_distributed(state: State,
 
 @update_routes.post("/prepare_weights_from_disk")
 async def prepare_weights_from_disk(state: State, body: PrepareFromDiskRequest) -> Response:
-    return await blocking(state.engine.prepare_weights_from_disk, body.model_path)
+    return await blocking(state.engine.prepare_weights_from_disk, body.model_path,
+                          model=body.model)
 
 
 @update_routes.post("/commit_weight_update")

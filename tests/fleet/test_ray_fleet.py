@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from fixtures import wait_until, write_tiny_chat_model
+from fixtures import wait_until, write_reward_model, write_tiny_chat_model
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine
@@ -366,3 +366,41 @@ def test_delta_updates_reach_every_replica_as_a_full_push_would(fleet, models):
         if sender.connected:
             sender.close([fleet])
     fleet.update_weights_from_tensor(base)
+
+
+def test_a_frozen_reward_model_beside_the_policy(local_ray, models, tmp_path):
+    """extra_models: classify and generate go by model=; the policy's updates leave the reward
+    model's version and scores as they were; an update naming it reaches it alone."""
+    rm_path = str(tmp_path / "rm")
+    write_reward_model(rm_path, "qwen2", 1, pad=0, seed=2)
+    ids = [[5, 6, 7], [9, 8, 7, 6, 5, 4]]
+    with Engine(rm_path, **KW) as engine:
+        want = [o["scores"] for o in engine.classify(input_ids=ids)]
+    with RayFleet(models["a"], replicas=1, engine_kwargs=KW,
+                  extra_models={"rm": {"model_path": rm_path, **KW}}) as fleet:
+        rm = fleet.models["rm"]
+        assert fleet.model_name == "a" and set(fleet.models) == {"a", "rm"}
+        assert fleet.weight_sync_ranks == 1
+        scores = [o["scores"] for o in fleet.classify(input_ids=ids, model="rm")]
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(want), atol=1e-4, rtol=0)
+        assert tokens(fleet.generate(PROMPTS, GREEDY)) == tokens(models["out_a"])
+        with pytest.raises(ValueError, match="'nope': this fleet serves a, rm"):
+            fleet.generate(PROMPTS[0], GREEDY, model="nope")
+        rm_version = rm.get_weight_version()
+
+        assert fleet.update_weights_from_tensor(models["b_tensors"], weight_version="b")[
+            "success"]
+        assert fleet.update_weight_version("b-label")["success"]
+        assert tokens(fleet.generate(PROMPTS, GREEDY, model="a")) == tokens(models["out_b"])
+        assert fleet.get_weight_version() == "b-label" and rm.get_weight_version() == rm_version
+        assert [o["scores"] for o in fleet.classify(input_ids=ids, model="rm")] == scores
+        with pytest.raises(ValueError, match="frozen model 'rm'"):
+            rm.update_weights_from_disk(rm_path)
+
+        assert fleet.update_weights_from_disk(rm_path, weight_version="rm-2", model="rm")[
+            "success"]
+        assert fleet.prepare_weights_from_disk(rm_path, model="rm")["success"]
+        with pytest.raises(ValueError, match="an update of model 'rm' is open"):
+            fleet.update_weights_from_disk(models["a"])
+        assert fleet.commit_weight_update("rm-3")["weight_version"] == "rm-3"
+        assert rm.get_weight_version() == "rm-3" and fleet.get_weight_version() == "b-label"

@@ -3,6 +3,7 @@ streams, and weight updates that commit on both servers or on neither."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,12 +13,21 @@ import sys
 import httpx
 import pytest
 import torch
-from fixtures import CORPUS, wait_healthy, write_tiny_chat_model
+from fixtures import (
+    CORPUS,
+    ServerThread,
+    serve,
+    wait_healthy,
+    write_reward_model,
+    write_tiny_chat_model,
+)
 from safetensors.torch import load_file
 
 from hotswap.engine import Engine, RemoteEngine
+from hotswap.engine.errors import RemoteEngineError
 from hotswap.engine.server.app import route_table
 from hotswap.fleet import PrefixAffinity, Router
+from hotswap.fleet.router_app import create_router_app
 from hotswap.weight_sync import WeightSender
 from hotswap.weight_sync.group import free_port
 from hotswap.weight_sync.serialize import serialize_named_tensors
@@ -252,3 +262,114 @@ def test_router_refuses_bad_arguments():
         Router(["http://a", "http://a/"])
     with pytest.raises(ValueError, match="cache_threshold"):
         Router(["http://a"], cache_threshold=2)
+
+
+def _reward_model(path: str) -> str:
+    write_reward_model(path, "qwen2", 1, pad=0, seed=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def policy_and_rm(tmp_path_factory):
+    """A Router over a policy server and a frozen reward model's server ("rm"), in-process,
+    with the Router's HTTP front."""
+    root = tmp_path_factory.mktemp("models")
+    paths = {"policy": write_tiny_chat_model(str(root / "policy"), seed=0),
+             "b": write_tiny_chat_model(str(root / "b"), seed=1),
+             "rm": _reward_model(str(root / "rm"))}
+    kw = {"device": "cpu", "dtype": "float32", "max_total_tokens": 2048}
+    with contextlib.ExitStack() as stack:
+        policy = stack.enter_context(Engine(paths["policy"], **kw))
+        rm = stack.enter_context(Engine(paths["rm"], served_model_name="rm", frozen=True, **kw))
+        urls = [stack.enter_context(serve(e)).url for e in (policy, rm)]
+        router = stack.enter_context(Router(urls))
+        front = stack.enter_context(ServerThread(create_router_app(router)))
+        yield {"policy": policy, "rm": rm, "urls": urls, "router": router, "front": front.url,
+               "paths": paths, "kw": kw}
+
+
+def test_requests_go_to_the_servers_of_the_model_they_name(policy_and_rm):
+    s = policy_and_rm
+    router, ids = s["router"], [[5, 6, 7], [9, 8, 7, 6, 5, 4]]
+    assert router.served_models == {"policy": {"frozen": False, "servers": [0]},
+                                     "rm": {"frozen": True, "servers": [1]}}
+    assert router.model_name == "policy"
+    assert router.weight_sync_ranks == 1  # a trainer's group holds the policy only
+    scores = router.classify(input_ids=ids, model="rm")
+    assert [o["scores"] for o in scores] == [o["scores"] for o in s["rm"].classify(input_ids=ids)]
+    want = s["policy"].generate(input_ids=ids[0], sampling_params=GREEDY)["output_ids"]
+    assert router.generate(input_ids=ids[0], sampling_params=GREEDY)["output_ids"] == want
+    with pytest.raises(ValueError, match="classify needs a reward model"):
+        router.classify(input_ids=ids)  # no model: the policy's
+    with pytest.raises(ValueError, match="'nope': no server serves it"):
+        router.generate(input_ids=ids[0], sampling_params=GREEDY, model="nope")
+
+    front = s["front"]
+    r = httpx.post(f"{front}/classify_native", json={"input_ids": ids[0], "model": "rm"})
+    assert r.status_code == 200 and r.headers["x-hotswap-server"] == s["urls"][1]
+    assert r.json()["scores"] == scores[0]["scores"]
+    assert httpx.post(f"{front}/classify_native", json={"input_ids": ids[0]}).status_code == 400
+    for path in ("/classify", "/v1/classify", "/v1/embeddings"):  # vLLM's bodies, by "model"
+        r = httpx.post(f"{front}{path}", json={"model": "rm", "input": "Hello"})
+        assert r.headers["x-hotswap-server"] == s["urls"][1], path
+    r = httpx.post(f"{front}/generate", json={"input_ids": ids[0], "sampling_params": GREEDY})
+    assert r.headers["x-hotswap-server"] == s["urls"][0] and r.json()["output_ids"] == want
+    for model in ("policy", "policy:adapter", "gpt-x"):  # OpenAI's names: the policy's
+        r = httpx.post(f"{front}/v1/completions", json={"model": model, "prompt": "Hello",
+                                                        "max_tokens": 2})
+        assert r.headers["x-hotswap-server"] == s["urls"][0], model
+    assert [m["id"] for m in httpx.get(f"{front}/v1/models").json()["data"]] == ["policy", "rm"]
+    info = httpx.get(f"{front}/get_server_info").json()
+    assert info["served_model_name"] == "policy" and info["models"]["rm"]["frozen"] is True
+
+
+def test_a_policy_update_never_reaches_the_frozen_reward_model(policy_and_rm):
+    s = policy_and_rm
+    router, rm, ids = s["router"], s["rm"], [[5, 6, 7], [9, 8, 7, 6]]
+    rm_version, scores = rm.get_weight_version(), rm.classify(input_ids=ids)
+    assert router.update_weights_from_disk(s["paths"]["b"], weight_version="b")["success"]
+    assert router.update_weight_version("b-label")["success"]
+    b = load_file(os.path.join(s["paths"]["b"], "model.safetensors"))
+    assert router.update_weights_from_tensor(b, weight_version="b2")["success"]
+    assert s["policy"].get_weight_version() == router.get_weight_version() == "b2"
+    assert rm.get_weight_version() == rm_version
+    after = router.classify(input_ids=ids, model="rm")
+    assert [o["scores"] for o in after] == [o["scores"] for o in scores]
+    assert {o["meta_info"]["weight_version"] for o in after} == {rm_version}
+    r = httpx.post(f"{s['front']}/update_weight_version", json={"new_version": "b3"},
+                   headers=AUTH if router.admin_key else {})
+    assert r.status_code == 200 and rm.get_weight_version() == rm_version
+
+    # Named, an update reaches the reward model only (two phases through the Router).
+    assert router.prepare_weights_from_disk(s["paths"]["rm"], model="rm")["success"]
+    assert router.commit_weight_update("rm-2")["weight_version"] == "rm-2"
+    assert rm.get_weight_version() == "rm-2" and router.get_weight_version() == "b3"
+    with pytest.raises(ValueError, match="for model 'rm'; this engine serves 'policy'"):
+        s["policy"].update_weights_from_disk(s["paths"]["b"], model="rm")
+
+
+def test_several_models_that_are_not_frozen_must_be_named(policy_and_rm):
+    s = policy_and_rm
+    with Engine(s["paths"]["b"], **s["kw"]) as other, serve(other) as server, Router(
+            [s["urls"][0], server.url, s["urls"][1]]) as router:
+        with pytest.raises(ValueError, match=r"several models that are not frozen \(b, policy\)"):
+            router.generate(input_ids=[5, 6], sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="several models"):
+            router.get_weight_version()
+        out = router.generate(input_ids=[5, 6], sampling_params=GREEDY, model="b")
+        assert out["output_ids"] == other.generate(input_ids=[5, 6],
+                                                   sampling_params=GREEDY)["output_ids"]
+
+
+def test_a_server_unreachable_when_asked_its_model_is_left_out_of_requests_not_updates(
+        policy_and_rm):
+    s = policy_and_rm
+    down = f"http://127.0.0.1:{free_port()}"
+    with Router([down, s["urls"][0]]) as router:
+        out = router.generate(input_ids=[5, 6], sampling_params=GREEDY)
+        assert out["output_ids"] == s["policy"].generate(input_ids=[5, 6],
+                                                         sampling_params=GREEDY)["output_ids"]
+        version = s["policy"].get_weight_version()
+        with pytest.raises(RemoteEngineError, match="unreachable"):
+            router.update_weights_from_disk(s["paths"]["policy"])
+        assert s["policy"].get_weight_version() == version

@@ -41,7 +41,7 @@ EXTRAS: dict[type, set[str]] = {
     Engine: {"get_load", "prepare_weights_from_tensor", *handoff_methods()},
     RemoteEngine: {"health", "get_metrics", *handoff_methods()},
     Router: {"choose", "done", "mark_down", "least_loaded", "members", "call_each",
-             "call_each_indexed", "headers", "session_server"},
+             "call_each_indexed", "headers", "session_server", "servers_for"},
     RayFleet: {"members", "call_each", "call_each_indexed", "scale", "replicas_info"},
 }
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -345,6 +345,18 @@ def test_sessions(client, models):
     assert client.close_session(session) is True
     assert client.close_session(session) is False
     client.check_integrity()
+
+
+def test_model_name_and_requests_or_updates_naming_another_model(client, models):
+    assert client.model_name == "a"  # the checkpoint folder's name
+    version = client.get_weight_version()
+    with pytest.raises(ValueError, match="'nope'"):
+        client.update_weights_from_disk(models["b"], model="nope")
+    with pytest.raises(ValueError, match="'nope'"):
+        client.generate(PROMPTS[0], GREEDY, model="nope")
+    assert client.get_weight_version() == version
+    out = client.generate(PROMPTS[0], GREEDY, model="a")
+    assert out["output_ids"] == models["out_a"][0]["output_ids"]
 
 
 def test_zz_every_interface_method_was_called(client):

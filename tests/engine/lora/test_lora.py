@@ -360,7 +360,7 @@ def test_http_generate_and_openai_model_field(base_path, tmp_path):
 
     path = save_peft(make_peft(base_path, seed=1), str(tmp_path / "adapter"))
     prompt = "The quick brown fox"
-    with make_engine(base_path) as engine, serve(engine, served_model_name="tiny") as server:
+    with make_engine(base_path, served_model_name="tiny") as engine, serve(engine) as server:
         remote = RemoteEngine(server.url)
         assert remote.load_lora_adapter("a", path)["adapter_version"] == 1
         want = {lo: engine.generate(prompt=prompt, sampling_params=greedy(), lora_name=lo)["text"]
