@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 import transformers
-from conftest import write_tiny_model
+from conftest import make_hf_config, write_tiny_model
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
@@ -83,6 +83,25 @@ def write_tiny_chat_model(path: str, seed: int = 0, **overrides) -> str:
     with open(f"{path}/generation_config.json", "w") as f:
         json.dump({"eos_token_id": 2, "bos_token_id": 1}, f)
     return path
+
+
+def write_reward_model(path: str, arch: str, num_labels: int, pad: int, token: bool = False,
+                       seed: int = 0) -> transformers.PreTrainedModel:
+    """A seeded random reward model with the fixtures' tokenizer saved at `path`; returns the
+    HF model (eval, float32) as the reference."""
+    vocab = write_tokenizer(path)
+    cfg = make_hf_config(arch, vocab_size=vocab, num_labels=num_labels, pad_token_id=pad)
+    head = "ForTokenClassification" if token else "ForSequenceClassification"
+    cfg.architectures = [{"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch] + head]
+    auto = (transformers.AutoModelForTokenClassification if token
+            else transformers.AutoModelForSequenceClassification)
+    torch.manual_seed(seed)
+    model = auto.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    return model.eval()
 
 
 def save_random_lora(base: str, path: str, targets: list[str], seed: int = 0):

@@ -8,9 +8,7 @@ import asyncio
 
 import pytest
 import torch
-import transformers
-from conftest import make_hf_config
-from fixtures import serve, write_tiny_chat_model, write_tokenizer
+from fixtures import serve, write_reward_model, write_tiny_chat_model
 
 from hotswap.engine import Engine, RemoteEngine
 from hotswap.fleet import Router
@@ -18,25 +16,6 @@ from hotswap.fleet import Router
 KW = {"device": "cpu", "dtype": "float32", "max_total_tokens": 2048}
 EOS = 2  # the fixture tokenizer's <|im_end|>
 ATOL = 1e-4
-
-
-def write_reward_model(path: str, arch: str, num_labels: int, pad: int, token: bool = False,
-                       seed: int = 0) -> transformers.PreTrainedModel:
-    """A seeded random reward model with the fixtures' tokenizer saved at `path`; returns the
-    HF model (eval, float32) as the reference."""
-    vocab = write_tokenizer(path)
-    cfg = make_hf_config(arch, vocab_size=vocab, num_labels=num_labels, pad_token_id=pad)
-    head = "ForTokenClassification" if token else "ForSequenceClassification"
-    cfg.architectures = [{"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch] + head]
-    auto = (transformers.AutoModelForTokenClassification if token
-            else transformers.AutoModelForSequenceClassification)
-    torch.manual_seed(seed)
-    model = auto.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
-    return model.eval()
 
 
 def prompts(pad: int) -> list[list[int]]:
