@@ -206,13 +206,14 @@ def policy_weights(path: str) -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["sync", "async"])
 def test_grpo_with_a_judge_and_a_reward_model_runs_and_shows_reward_seconds(paths, tmp_path,
-                                                                           capsys):
+                                                                           capsys, mode):
     args = parse_args(["--model-path", paths["chat"], "--judge", paths["chat"],
                        "--reward-model", paths["rm"], "--steps", "2", "--prompts", "2",
                        "--group-size", "3", "--over-sample", "0", "--filter", "none",
                        "--max-new-tokens", "4", "--max-total-tokens", "2048",
-                       "--wandb-dir", str(tmp_path)])
+                       "--wandb-dir", str(tmp_path), *mode])
     out = run(args)
     assert [h["weight_version"] for h in out["history"]] == [0, 1]
     for h in out["history"]:
