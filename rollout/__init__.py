@@ -8,6 +8,7 @@ from hotswap.rollout.async_rollout import AsyncRollout
 from hotswap.rollout.client import Completion, TokenClient
 from hotswap.rollout.collect import collect
 from hotswap.rollout.exact_forward import ExactForward
+from hotswap.rollout.judges import judge_reward, model_reward
 from hotswap.rollout.program import assistant, function, gen, select, system, user
 from hotswap.rollout.rewards import (
     exact_match,
@@ -25,5 +26,5 @@ __all__ = [
     "ToolLoop", "Trajectory", "collect", "hermes_tool_calls",
     "exact_match", "format_match", "grpo_advantages", "group_reward", "json_schema_valid",
     "length_penalty", "nonzero_std", "parse_final_answer", "assistant", "function", "gen",
-    "select", "system", "user",
+    "select", "system", "user", "judge_reward", "model_reward",
 ]

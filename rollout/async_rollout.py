@@ -74,6 +74,7 @@ class AsyncRollout:
         self._rows = itertools.cycle(range(len(self.rows)))
         self._first_version = ""  # the engine's at start(): admission counts versions from it
         self._scored: list[float] = []  # rewards of every group scored since the last hand-out
+        self._reward_s = 0.0  # the seconds their scoring took
         self.counts: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self._stop = threading.Event()
@@ -138,26 +139,29 @@ class AsyncRollout:
 
     def _run_group(self, group: _Group) -> None:
         seed = None if self.seed is None else self.seed * 1_000_003 + group.gid
+        seconds = 0.0
         try:
             trajs = self.loop.run_group(group.client, self.rows[group.row_index],
                                         self.group_size, group.gid, seed=seed)
             aborted = any(t.finish_reason == "abort" for t in trajs)
-            if not aborted:
-                score_group(trajs, self.reward, self.reward_timeout_s)
+            if not aborted:  # scored here, in the group's thread, while other groups generate
+                seconds = score_group(trajs, self.reward, self.reward_timeout_s)
             outcome = "aborted" if aborted else (
                 "accepted" if self.filter is None or self.filter(trajs) else "filtered")
         except Exception as exc:  # a broken row or tool: account for it and keep going
             trajs, outcome = [], f"error: {type(exc).__name__}: {exc}"
         with self._cond:
-            self._finish(group, trajs, outcome)
+            self._finish(group, trajs, outcome, seconds)
             self._cond.notify_all()
 
-    def _finish(self, group: _Group, trajs: list[Trajectory], outcome: str) -> None:
+    def _finish(self, group: _Group, trajs: list[Trajectory], outcome: str,
+                reward_s: float) -> None:
         if self._running.pop(group.gid, None) is None:
             return  # already accounted for (aborted at a hand-out)
         group.trajs = trajs
         if outcome in ("accepted", "filtered"):
             self._scored += [t.reward for t in trajs]
+            self._reward_s += reward_s
         if outcome == "accepted":
             self._ready.append(group)
         elif outcome == "filtered":
@@ -190,9 +194,10 @@ class AsyncRollout:
             self.counts["accepted"] += len(groups)
             self._handle_unfinished()
             scored, self._scored = self._scored, []
+            reward_s, self._reward_s = self._reward_s, 0.0
             self._cond.notify_all()
         batch = self._to_batch(groups, version, time.perf_counter() - start)
-        batch.meta["scored_rewards"] = scored
+        batch.meta["scored_rewards"], batch.meta["reward_s"] = scored, reward_s
         return batch
 
     def _check_ready(self, version: str) -> None:

@@ -3,6 +3,8 @@
 Groups run concurrently (the engine batches them continuously). With a filter, rows are
 over-sampled until `target_groups` groups pass; the requests still running then are aborted.
 Every group started is accounted for in `batch.meta["groups"]`: kept, filtered or aborted.
+Each group is scored in its own thread as soon as it finishes, while the others generate;
+`batch.meta["reward_s"]` sums the seconds the scored groups' rewards took.
 """
 
 from __future__ import annotations
@@ -44,30 +46,34 @@ def collect(client: Any, loop: Any, rows: Sequence[dict], group_size: int = 8,
         raise ValueError(f"target_groups must be in 1..{len(rows)} (the rows given)")
     start = time.perf_counter()
     client.cancelled.clear()
-    kept, counts, scored = _run_groups(client, loop, rows, group_size, reward, filter, target,
-                               over_sample, seed, reward_timeout_s, max_concurrent_groups)
+    kept, counts, scored, reward_s = _run_groups(client, loop, rows, group_size, reward, filter,
+                                                 target, over_sample, seed, reward_timeout_s,
+                                                 max_concurrent_groups)
     trajs = [t for group in kept for t in group]
     advantages = grpo_advantages([t.reward for t in trajs], [t.group_id for t in trajs], scale)
     meta = {"groups": counts, "seconds": time.perf_counter() - start, "scored_rewards": scored,
-            "sampling": dict(client.sampling), "weight_version": client.weight_version()}
+            "reward_s": reward_s, "sampling": dict(client.sampling),
+            "weight_version": client.weight_version()}
     return RolloutBatch.from_trajectories(trajs, advantages, meta)
 
 
 def _run_groups(client: TokenClient, loop: Any, rows: Sequence[dict], group_size: int,
                 reward: RewardFn | None, keep: GroupFilter | None, target: int,
                 over_sample: int, seed: int | None, timeout_s: float | None,
-                concurrency: int) -> tuple[list[list[Trajectory]], dict[str, int], list[float]]:
+                concurrency: int
+                ) -> tuple[list[list[Trajectory]], dict[str, int], list[float], float]:
     counts = {"started": 0, "kept": 0, "filtered": 0, "aborted": 0}
     scored: list[float] = []  # every completed group's rewards, kept or filtered
+    reward_s = 0.0  # the seconds their scoring took
     kept: list[list[Trajectory]] = []
     next_row = 0
 
-    def one_group(gid: int) -> list[Trajectory]:
+    def one_group(gid: int) -> tuple[list[Trajectory], float]:
         group_seed = None if seed is None else seed * 1_000_003 + gid
         trajs = loop.run_group(client, rows[gid], group_size, gid, seed=group_seed)
-        if not client.cancelled.is_set():
-            score_group(trajs, reward, timeout_s)
-        return trajs
+        if client.cancelled.is_set():
+            return trajs, 0.0
+        return trajs, score_group(trajs, reward, timeout_s)
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout") as pool:
         running: dict[Future, int] = {}
@@ -84,11 +90,12 @@ def _run_groups(client: TokenClient, loop: Any, rows: Sequence[dict], group_size
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
                 running.pop(fut)
-                group = fut.result()
+                group, seconds = fut.result()
                 if len(kept) >= target or any(t.finish_reason == "abort" for t in group):
                     counts["aborted"] += 1
                     continue
                 scored.extend(t.reward for t in group)
+                reward_s += seconds
                 if keep is None or keep(group):
                     kept.append(group)
                     counts["kept"] += 1
@@ -98,5 +105,5 @@ def _run_groups(client: TokenClient, loop: Any, rows: Sequence[dict], group_size
                 client.abort_inflight()
             else:
                 launch(target - len(kept) - len(running) + over_sample)
-    return kept, counts, scored
+    return kept, counts, scored, reward_s
 

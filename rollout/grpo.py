@@ -23,6 +23,10 @@ returns every token's experts and the trainer's forward routes to them (rollout/
 `--task tools` (rollout/tasks.py): multi-digit arithmetic with a `calculator` tool called in the
 Hermes format, multi-turn through ToolLoop (tool results in context with loss mask 0); reward 1
 when the final answer holds the exact number, else --format-reward for a well-formed call.
+`--judge PATH` / `--reward-model PATH` (rollout/judges.py): a generative judge's verdict or a
+reward model's score replaces the task's reward (which stays in the info and the table as
+`task r`); each scorer is an engine of its own that the pushes never reach (engines.py); each
+group is scored as soon as it finishes and `rew s` sums the step's scoring seconds.
 """
 
 from __future__ import annotations
@@ -30,13 +34,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import secrets
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -45,14 +46,15 @@ from transformers.utils import logging as hf_logging
 from hotswap.rollout.advantages import nonzero_std
 from hotswap.rollout.client import TokenClient
 from hotswap.rollout.collect import collect
+from hotswap.rollout.engines import EngineHandle, engine_for, replica_metrics, start_scorer
 from hotswap.rollout.importance import MODES
+from hotswap.rollout.judges import Combined, judge_reward, model_reward
 from hotswap.rollout.plot import draw
 from hotswap.rollout.tasks import TASKS, Task, make_task, tool_score
 from hotswap.rollout.tasks import addition_rows as addition_rows  # examples and bench use it
 from hotswap.rollout.tracking import Tracker, batch_metrics, is_terminal, tool_metrics
 from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
-from hotswap.weight_sync.group import free_port
 from hotswap.weight_sync.versions import version_key
 
 
@@ -131,6 +133,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routing-replay", action="store_true",
                    help="MoE models: the engine returns every token's experts and the "
                         "trainer's forward routes to them (rollout/routing_replay.py)")
+    p.add_argument("--judge", default=None, metavar="PATH",
+                   help="a generative judge (any chat model; the policy's own checkpoint too): "
+                        "its verdict, correct or incorrect (1/0) against the row's answer, "
+                        "replaces the task's reward; a separate engine no push reaches "
+                        "(rollout/judges.py)")
+    p.add_argument("--reward-model", default=None, metavar="PATH",
+                   help="a *ForSequenceClassification checkpoint: its score of the chat "
+                        "replaces the task's reward (with --judge: added to the verdict)")
+    p.add_argument("--judge-timeout", type=float, default=60.0,
+                   help="seconds per scoring call of --judge/--reward-model (one retry)")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = 48 if args.task == "tools" else 16
@@ -144,174 +156,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--exact-logprobs computes the engine's own logprobs and routes: "
                          "without --routing-replay or --quantization")
     return args
-
-
-@dataclass
-class EngineHandle:
-    backend: Any  # Engine, RemoteEngine or RayFleet
-    # Pushes the named tensors as that version; returns what went: {"kind", "bytes", ...}.
-    push: Callable[[list[tuple[str, torch.Tensor]], str], dict[str, Any]]
-    close: Callable[[], None]
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine keyword arguments the job's flags choose beyond dtype, seed and pool size."""
-    options: dict[str, Any] = {}
-    if args.quantization:
-        options["quantization"] = args.quantization
-    if args.routing_replay:
-        options["enable_return_routed_experts"] = True
-    if args.speculative:
-        options["speculative"] = args.speculative
-    if args.exact_logprobs:
-        options["deterministic"] = True
-    return options
-
-
-def start_in_process(path: str, dtype: str, seed: int, kv_tokens: int,
-                     options: dict[str, Any], delta: bool = False) -> EngineHandle:
-    from hotswap.engine import Engine
-    from hotswap.weight_sync import DeltaTracker, update_in_process
-
-    engine = Engine(path, dtype=dtype, seed=seed, max_total_tokens=kv_tokens, **options)
-    tracker = DeltaTracker(engine.runner.dtype) if delta else None
-
-    def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
-        if tracker is not None:
-            reply, pushed = update_in_process(engine, named, tracker, weight_version=version)
-        else:
-            reply = engine.update_weights_from_tensor(named, weight_version=version)
-            pushed = _full_push(named)
-        if not reply["success"]:
-            raise RuntimeError(f"weight update failed: {reply['message']}")
-        return pushed
-
-    return EngineHandle(engine, push, engine.shutdown)
-
-
-def _full_push(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    return {"kind": "full", "bytes": sum(t.nbytes for _, t in named)}
-
-
-def start_server_process(path: str, dtype: str, seed: int, kv_tokens: int,
-                         options: dict[str, Any], delta: bool = False) -> EngineHandle:
-    """The engine as `python -m hotswap.engine.server` in a child process; weights over gloo."""
-    from hotswap.engine import RemoteEngine
-    from hotswap.weight_sync import WeightSender
-
-    port, admin = free_port(), secrets.token_hex(8)
-    flags = []  # the server's flags carry the Engine's argument names
-    for key, value in options.items():
-        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    proc = subprocess.Popen([sys.executable, "-m", "hotswap.engine.server", "--model-path", path,
-                             "--port", str(port), "--admin-key", admin, "--dtype", dtype,
-                             "--seed", str(seed), "--max-total-tokens", str(kv_tokens),
-                             "--log-level", "warning", *flags])
-    remote = RemoteEngine(f"http://127.0.0.1:{port}", admin_key=admin)
-    _wait_healthy(remote, proc)
-    sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo",
-                          bucket_bytes=32 << 20)
-
-    def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
-        sender.send(named, [remote], weight_version=version, delta=delta)
-        return sender.last_push
-
-    def close() -> None:
-        try:
-            sender.close([remote])
-        finally:
-            remote.shutdown()
-            proc.terminate()
-            proc.wait(30)
-
-    return EngineHandle(remote, push, close)
-
-
-def _wait_healthy(remote: Any, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the engine server exited with code {proc.returncode}")
-        try:
-            remote.health()
-            return
-        except Exception:  # not listening yet
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("the engine server did not become healthy in time")
-
-
-def start_ray_fleet(path: str, dtype: str, seed: int, kv_tokens: int, replicas: int,
-                    transport: str, options: dict[str, Any], delta: bool = False
-                    ) -> EngineHandle:
-    """`replicas` engines as Ray actors (a local Ray unless one is running), one CPU each."""
-    from hotswap.fleet import RayFleet
-    from hotswap.weight_sync import DeltaTracker, WeightSender, str_to_dtype, update_in_process
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray: 127.0.0.1
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    fleet = RayFleet(path, replicas=replicas, engine_kwargs={
-        "dtype": dtype, "seed": seed, "max_total_tokens": kv_tokens, **options})
-    sender = (WeightSender("127.0.0.1", free_port(), world_size=1 + fleet.weight_sync_ranks,
-                           backend="gloo", bucket_bytes=32 << 20)
-              if transport == "gloo" else None)
-
-    tracker = DeltaTracker(str_to_dtype(fleet.weights_dtype)) if delta else None
-
-    def push(named: list[tuple[str, torch.Tensor]], version: str) -> dict[str, Any]:
-        if sender is not None:
-            sender.send(named, [fleet], weight_version=version, delta=delta)
-            return sender.last_push
-        if tracker is not None:
-            reply, pushed = update_in_process(fleet, named, tracker, weight_version=version)
-        else:
-            reply = fleet.update_weights_from_tensor(named, weight_version=version)
-            pushed = _full_push(named)
-        if not reply["success"]:
-            raise RuntimeError(f"weight update failed: {reply['message']}")
-        return pushed
-
-    def close() -> None:
-        try:
-            if sender is not None:
-                sender.close([fleet])
-        finally:
-            fleet.shutdown()
-
-    return EngineHandle(fleet, push, close)
-
-
-def replica_metrics(fleet: Any, before: dict[int, dict], seconds: float
-                    ) -> tuple[dict[str, Any], dict[int, dict]]:
-    """Per replica since `before`: requests, tokens per second of the step, weight version."""
-    now = {r["index"]: r for r in fleet.replicas_info()}
-    metrics: dict[str, Any] = {}
-    cells = []
-    for index, r in sorted(now.items()):
-        old = before.get(index, {"requests": 0, "tokens": 0})
-        requests, tokens = r["requests"] - old["requests"], r["tokens"] - old["tokens"]
-        rate = tokens / seconds if seconds > 0 else math.nan
-        metrics.update({f"replica/{index}/requests": requests,
-                        f"replica/{index}/tokens_per_s": rate})
-        cells.append(f"{index}:{requests}r {rate:.0f}t/s v{r['weight_version']} {r['state'][0]}")
-    metrics["fleet/replicas"] = " | ".join(cells)
-    return metrics, now
-
-
-@contextmanager
-def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
-    if args.fleet == "ray":
-        handle = start_ray_fleet(path, args.dtype, args.seed, args.max_total_tokens,
-                                 args.replicas, args.transport, engine_options(args),
-                                 args.delta_updates)
-    else:
-        start = start_server_process if args.transport == "gloo" else start_in_process
-        handle = start(path, args.dtype, args.seed, args.max_total_tokens, engine_options(args),
-                       args.delta_updates)
-    try:
-        yield handle
-    finally:
-        handle.close()
 
 
 def batches(args: argparse.Namespace, client: TokenClient, task: Task, reward: Any
@@ -337,8 +181,9 @@ def _take_stats(client: TokenClient, reward: Any, batch: RolloutBatch) -> None:
     batch.meta["client_stats"] = dict(client.stats)
     for k in client.stats:
         client.stats[k] = 0
-    if hasattr(reward, "take"):
-        batch.meta["tool_scores"] = reward.take()
+    tally = getattr(reward, "task_reward", None) or reward  # Combined keeps the task's
+    if hasattr(tally, "take"):
+        batch.meta["tool_scores"] = tally.take()
 
 
 def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
@@ -363,7 +208,8 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
     path = ensure_model(args.model_path)
     started = time.perf_counter()
     history: list[dict[str, Any]] = []
-    with engine_for(args, path) as handle:
+    with ExitStack() as engines:
+        handle = engines.enter_context(engine_for(args, path))
         client = TokenClient(handle.backend, tokenizer=path, sampling={
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens},
             routed_experts=args.routing_replay)
@@ -379,11 +225,14 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         fleet += ", routing replay" if args.routing_replay else ""
         fleet += ", exact logprobs (deterministic engine)" if args.exact_logprobs else ""
         fleet += f", tools task (<= {args.max_turns} turns)" if args.task == "tools" else ""
+        fleet += f", judge {os.path.basename(args.judge)}" if args.judge else ""
+        fleet += (f", reward model {os.path.basename(args.reward_model)}" if args.reward_model
+                  else "")
         tracker.write(f"hotswap GRPO: {os.path.basename(path)}, transport {args.transport}"
                       f"{fleet}{', async' if args.async_mode else ''}, {args.prompts} groups x "
                       f"{args.group_size} per step, wandb {tracker.mode} -> {tracker.run_dir}")
         task = make_task(args.task, args.max_new_tokens, args.max_turns, args.format_reward)
-        reward = reward or task.reward
+        reward = model_rewards(args, engines, reward or task.reward)
         source = (async_batches if args.async_mode else batches)(args, client, task, reward)
         replicas: dict[int, dict] = {}
         for step, batch in enumerate(source):
@@ -410,6 +259,19 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
     return {"history": history, "run_dir": run_dir, "wall_s": wall, "plot": plot}
 
 
+def model_rewards(args: argparse.Namespace, engines: ExitStack, own: Any) -> Any:
+    """--judge and --reward-model: the reward that asks their engines (closed with `engines`),
+    `own` kept beside it in the info as "task_reward"; without them, `own`."""
+    parts: dict[str, Any] = {}
+    if args.judge:
+        judge = engines.enter_context(start_scorer(args.judge, args))
+        parts["judge"] = judge_reward(judge, timeout_s=args.judge_timeout)
+    if args.reward_model:
+        model = engines.enter_context(start_scorer(args.reward_model, args))
+        parts["reward_model"] = model_reward(model, timeout_s=args.judge_timeout)
+    return Combined(parts, own) if parts else own
+
+
 def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, trainer: Trainer,
                    handle: EngineHandle, client: TokenClient) -> dict[str, Any]:
     label = client.weight_version()
@@ -423,6 +285,7 @@ def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, tra
         metrics.update(tool_metrics(scores if scores is not None else
                                     [tool_score(t) for t in batch.trajectories]))
     metrics["time/rollout_s"] = batch.meta.get("wait_s", batch.meta.get("seconds", math.nan))
+    metrics["time/reward_s"] = batch.meta.get("reward_s", math.nan)
     start = time.perf_counter()
     if len(batch):  # every group filtered out and no rows left: nothing to learn from
         metrics.update(trainer.step(batch))

@@ -3,7 +3,9 @@
 A reward is `fn(traj) -> float | dict | None`, or, marked with `@group_reward`,
 `fn(list[Trajectory]) -> list`. A dict fills `reward_info`; its "reward" key (else the sum of its
 numeric values, weighted by `fn.weights` when set) is the reward. A timeout, an exception or None
-scores NaN, which `grpo_advantages` turns into advantage 0.
+scores NaN, which `grpo_advantages` turns into advantage 0. A reward with its own timeouts (the
+judges of rollout/judges.py) says how long it can take in `fn.budget_s`; score_group waits that
+long when it is longer than its own timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,23 +32,30 @@ def group_reward(fn: RewardFn) -> RewardFn:
 
 
 def score_group(trajs: list[Trajectory], reward: RewardFn | None,
-                timeout_s: float | None = 30.0) -> None:
-    """Fill `reward` and `reward_info` of every trajectory of one group, in place."""
+                timeout_s: float | None = 30.0) -> float:
+    """Fill `reward` and `reward_info` of every trajectory of one group, in place; returns the
+    seconds it took."""
     if reward is None:
-        return
+        return 0.0
+    start = time.perf_counter()
+    budget = getattr(reward, "budget_s", None)
+    if timeout_s is not None and budget is not None:
+        timeout_s = max(timeout_s, budget + 1.0)  # a second for the reward's own bookkeeping
     if getattr(reward, "group", False):
-        results = _call(reward, trajs, timeout_s)
+        results = call_with_timeout(reward, trajs, timeout_s)
         if not isinstance(results, (list, tuple)) or len(results) != len(trajs):
             results = [results if isinstance(results, dict) and "error" in results else None
                        ] * len(trajs)
     else:
-        results = [_call(reward, t, timeout_s) for t in trajs]
+        results = [call_with_timeout(reward, t, timeout_s) for t in trajs]
     for traj, result in zip(trajs, results):
         traj.reward, traj.reward_info = _to_reward(result, getattr(reward, "weights", None))
+    return time.perf_counter() - start
 
 
-def _call(fn: RewardFn, arg: Any, timeout_s: float | None) -> Any:
-    """Run fn(arg) (a coroutine function too) in its own thread, giving up after timeout_s."""
+def call_with_timeout(fn: RewardFn, arg: Any, timeout_s: float | None) -> Any:
+    """fn(arg) (a coroutine function too) run in its own thread, giving up after timeout_s:
+    its result, or {"error": why} after an exception or the timeout."""
     box: dict[str, Any] = {}
 
     def run() -> None:

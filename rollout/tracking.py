@@ -23,6 +23,7 @@ METRICS_FILE = "metrics.jsonl"  # in the run's folder: one JSON row per step
 COLUMNS = [
     ("step", "step", 4, ".0f"), ("weight_version", "version", 7, ""),
     ("reward/sampled_mean", "reward", 6, ".3f"), ("reward/mean", "kept r", 6, ".3f"),
+    ("reward/task_mean", "task r", 6, ".3f"), ("reward/failures", "fail", 4, ".0f"),
     ("tools/correct", "right", 5, ".2f"), ("tools/call_rate", "calls", 5, ".2f"),
     ("tools/parse_fail_rate", "bad call", 8, ".2f"), ("tools/turns", "turns", 5, ".2f"),
     ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
@@ -31,7 +32,8 @@ COLUMNS = [
     ("staleness/version_lag_max", "lag", 3, ".0f"),
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
     ("mismatch/tis_truncated", "tis cut", 7, ".3f"),
-    ("time/rollout_s", "roll s", 6, ".1f"), ("time/train_s", "train s", 7, ".1f"),
+    ("time/rollout_s", "roll s", 6, ".1f"), ("time/reward_s", "rew s", 5, ".2f"),
+    ("time/train_s", "train s", 7, ".1f"),
     ("time/weight_sync_s", "sync s", 6, ".2f"),
     ("sync/sent_mb", "sent MB", 8, ".1f"),
     ("sync/changed_fraction", "changed", 8, ".2%"),
@@ -174,6 +176,7 @@ def batch_metrics(batch: RolloutBatch, engine_version: str | None = None,
     scored = [r for r in batch.meta.get("scored_rewards", []) if not math.isnan(r)]
     if scored:  # every group sampled this step, before the filter kept some
         out["reward/sampled_mean"] = sum(scored) / len(scored)
+    out.update(model_reward_metrics(batch.reward_info))
     labels = [v for row in batch.weight_versions for v in row if v is not None]
     if engine_version is not None and labels:
         lags = (versions or VersionOrder()).lags(engine_version, labels)
@@ -187,6 +190,18 @@ def batch_metrics(batch: RolloutBatch, engine_version: str | None = None,
     if batch.meta.get("seconds"):
         out["rollout/tokens_per_s"] = sum(len(r) for r in batch.response_ids) / batch.meta[
             "seconds"]
+    return out
+
+
+def model_reward_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """With a judge or reward model (rollout/judges.py): the trajectories whose scoring failed,
+    and the mean of the task's own reward kept beside the model's."""
+    if not any("score_s" in i for i in infos):
+        return {}
+    own = [i["task_reward"] for i in infos if not math.isnan(i.get("task_reward", math.nan))]
+    out = {"reward/failures": float(sum("failure" in i for i in infos))}
+    if own:
+        out["reward/task_mean"] = sum(own) / len(own)
     return out
 
 
