@@ -42,8 +42,8 @@ class VisionInputs:
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64
-    # [T] int64; or [3, T] M-RoPE (t, h, w) positions in a step of a vision-language model
-    # (layers/rotary.py's MRopePositions), where prompt tokens of or after an image differ per stream
+    # [T] int64; or, in a vision-language model, [3, T] M-RoPE (t, h, w) positions (its
+    # prompts' tokens from the first image on differ per stream: layers/rotary.py)
     positions: torch.Tensor
     out_cache_loc: torch.Tensor  # [T] int64: KV slot each new token is written to
     req_pool_indices: torch.Tensor  # [B] int64: rows of the req-to-token table

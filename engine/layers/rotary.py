@@ -146,7 +146,8 @@ class MRopePositions(NamedTuple):
     def span(self, start: int, end: int) -> torch.Tensor:
         """Positions [3, end - start] of tokens start..end-1 (a prefill chunk, decode steps)."""
         inside = self.prompt[:, start: min(end, self.prompt.shape[1])]
-        after = torch.arange(max(start, self.prompt.shape[1]), end) + self.delta
+        after = torch.arange(max(start, self.prompt.shape[1]), max(end, self.prompt.shape[1]))
+        after += self.delta
         return torch.cat((inside, after.expand(3, -1)), dim=1)
 
 

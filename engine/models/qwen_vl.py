@@ -52,6 +52,53 @@ def expand_image_tokens(ids: list[int], grids: list[tuple[int, int, int]], image
     return out
 
 
+def image_starts(ids: list[int], image_token_id: int) -> list[int]:
+    """Where each image's placeholder run starts in expanded ids (one run per image)."""
+    return [i for i, t in enumerate(ids)
+            if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
+
+
+def split_features(features: VisionFeatures, grids: list[tuple[int, int, int]], merge: int
+                   ) -> list[VisionFeatures]:
+    """encode_images' output of several images, one VisionFeatures per image."""
+    sizes = [image_token_count(g, merge) for g in grids]
+    embeds = features.embeds.split(sizes)
+    if features.deepstack is None:
+        return [VisionFeatures(e, None) for e in embeds]
+    return [VisionFeatures(e, d) for e, d in zip(embeds, features.deepstack.split(sizes, dim=1))]
+
+
+def chunk_vision_inputs(images: list[tuple[int, VisionFeatures]], start: int, end: int,
+                        row: int = 0) -> VisionInputs | None:
+    """The VisionInputs of a prompt's tokens start..end-1 laid out from flat row `row` of a
+    step: `images` are (where the image's run starts in the prompt, its features). A chunk may
+    begin or end inside an image; None when it holds no image token."""
+    rows, embeds, deepstack = [], [], []
+    for first, feats in images:
+        lo, hi = max(start, first), min(end, first + len(feats.embeds))
+        if lo >= hi:
+            continue
+        rows.append(torch.arange(lo, hi) - start + row)
+        embeds.append(feats.embeds[lo - first: hi - first])
+        if feats.deepstack is not None:
+            deepstack.append(feats.deepstack[:, lo - first: hi - first])
+    if not rows:
+        return None
+    device = embeds[0].device
+    return VisionInputs(torch.cat(rows).to(device), torch.cat(embeds),
+                        torch.cat(deepstack, dim=1) if deepstack else None)
+
+
+def join_vision_inputs(parts: list[VisionInputs | None]) -> VisionInputs | None:
+    """One step's VisionInputs from its rows' (each already at its flat rows)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    deepstack = [p.deepstack for p in parts if p.deepstack is not None]
+    return VisionInputs(torch.cat([p.rows for p in parts]), torch.cat([p.embeds for p in parts]),
+                        torch.cat(deepstack, dim=1) if deepstack else None)
+
+
 def _older_name(name: str) -> str:
     """A `model.visual.*` / `model.language_model.*` name in the layout before transformers 5."""
     return name.removeprefix("model.") if name.startswith("model.visual.") else name.replace(
