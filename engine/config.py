@@ -22,7 +22,8 @@ SCORING_HEADS = ("ForSequenceClassification", "ForTokenClassification")
 SCORING_ARCHITECTURES = tuple(f"{family}{head}" for family in ("Llama", "Qwen2", "Qwen3")
                               for head in SCORING_HEADS)
 # Vision-language models -> the text family of their language model (engine/models/qwen_vl.py).
-VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2",
+VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "Qwen2",
+                        "Qwen2_5_VLForConditionalGeneration": "Qwen2",
                         "Qwen3VLForConditionalGeneration": "Qwen3"}
 SUPPORTED_ARCHITECTURES = CAUSAL_ARCHITECTURES + SCORING_ARCHITECTURES + tuple(
     VISION_ARCHITECTURES)
@@ -75,6 +76,7 @@ class ModelConfig:
     # its special tokens, and the M-RoPE split of the rotary frequencies over (t, h, w).
     vision: dict[str, Any] | None = None
     image_token_id: int | None = None
+    video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()
@@ -147,6 +149,13 @@ class ModelConfig:
             "classify")
 
     @property
+    def vision_token_ids(self) -> tuple[int, ...]:
+        """A vision-language model's special tokens (placeholders, image bounds): never sampled."""
+        ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id,
+               self.vision_end_token_id)
+        return tuple(i for i in ids if i is not None)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -187,6 +196,7 @@ def _vision_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     qwen3 = arch.startswith("Qwen3")
     section = rope.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])
     return dict(vision=cfg["vision_config"], image_token_id=cfg.get("image_token_id", 151655),
+                video_token_id=cfg.get("video_token_id", 151656),
                 vision_start_token_id=cfg.get("vision_start_token_id", 151652),
                 vision_end_token_id=cfg.get("vision_end_token_id", 151653),
                 mrope_section=tuple(section), mrope_interleaved=qwen3)
@@ -354,6 +364,9 @@ class EngineConfig:
         self._check_quantization(device)
         self._check_routed_experts(model)
         self._check_speculative(model)
+        if model.vision is not None and self.tp_size != 1:
+            raise ValueError(f"{model.architecture} with tp_size={self.tp_size}: the vision "
+                             "tower is not split over ranks; use tp_size=1")
         if self.ep_size != 1:
             raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
                              "tp_size splits every expert over the ranks instead")

@@ -261,8 +261,8 @@ VL_CHAT_TEMPLATE = (
 
 
 def hf_vl_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
-    """A tiny Qwen2.5-VL (windows of 2x2 merged tokens, block 1 full attention) or Qwen3-VL
-    (a 4x4 position table, deepstack from blocks 0 and 1) config; token ids 3..6 are
+    """A tiny Qwen2-VL, Qwen2.5-VL (windows of 2x2 merged tokens, block 1 full attention) or
+    Qwen3-VL (a 4x4 position table, deepstack from blocks 0 and 1) config; token ids 3..6 are
     VISION_TOKENS."""
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -271,24 +271,27 @@ def hf_vl_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
                   video_token_id=6)
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
                   out_hidden_size=64, spatial_merge_size=2, temporal_patch_size=2)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    if arch == "qwen2_vl":  # the tower's width is embed_dim, its output's hidden_size
+        return transformers.Qwen2VLConfig(
+            text_config={**text, "rope_parameters": rope}, **tokens,
+            vision_config=dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
     if arch == "qwen2_5_vl":
-        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-        cfg = transformers.Qwen2_5_VLConfig(
+        return transformers.Qwen2_5_VLConfig(
             text_config={**text, "rope_parameters": rope}, **tokens,
             vision_config={**vision, "patch_size": 14, "window_size": 56,
                            "fullatt_block_indexes": [1]})
-    else:
-        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                "rope_theta": 10000.0}
-        cfg = transformers.Qwen3VLConfig(
-            text_config={**text, "head_dim": 16, "rope_parameters": rope}, **tokens,
-            vision_config={**vision, "patch_size": 16, "num_position_embeddings": 16,
-                           "deepstack_visual_indexes": [0, 1]})
-    return cfg
+    return transformers.Qwen3VLConfig(
+        text_config={**text, "head_dim": 16,
+                     "rope_parameters": {**rope, "mrope_interleaved": True}}, **tokens,
+        vision_config={**vision, "patch_size": 16, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": [0, 1]})
 
 
 def write_tiny_vl_model(path: str, arch: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A seeded random tiny Qwen2.5-VL ("qwen2_5_vl") or Qwen3-VL ("qwen3_vl") at `path`, with
+    """A seeded random tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL ("qwen2_vl", "qwen2_5_vl",
+    "qwen3_vl") at `path`, with
     the trained tokenizer plus VISION_TOKENS, the image chat template and the model's image
     processor (preprocessor_config.json, small min/max pixels); returns the HF model (eval,
     float32) as the reference."""
@@ -306,7 +309,7 @@ def write_tiny_vl_model(path: str, arch: str, seed: int = 0) -> transformers.Pre
     processor = transformers.Qwen2VLImageProcessorPil(
         patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=4 * factor * factor,
         max_pixels=48 * factor * factor,
-        **({} if arch == "qwen2_5_vl" else {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+        **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if arch == "qwen3_vl" else {}))
     processor.save_pretrained(path)
     with open(f"{path}/generation_config.json", "w") as f:
         json.dump({"eos_token_id": 2, "bos_token_id": 1}, f)

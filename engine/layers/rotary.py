@@ -156,20 +156,28 @@ def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_tok
     """M-RoPE positions of an expanded prompt: text runs count on from the last position on all
     three streams; an image's run of t*h*w/merge^2 tokens takes (start + t, start + row, start
     + col) over its merged grid, and the text after it starts at start + max(rows, cols)."""
-    streams, pos, i, images = [], 0, 0, iter(grids)
+    streams, pos, i, image = [], 0, 0, 0
     while i < len(ids):
+        j = i
+        while j < len(ids) and (ids[j] == image_token_id) == (ids[i] == image_token_id):
+            j += 1
         if ids[i] != image_token_id:
-            j = i
-            while j < len(ids) and ids[j] != image_token_id:
-                j += 1
             streams.append(torch.arange(pos, pos + j - i).expand(3, -1))
             pos, i = pos + j - i, j
             continue
-        t, h, w = next(images)
+        if image == len(grids):
+            raise ValueError(f"the prompt has more image placeholder runs than the {len(grids)} "
+                             "image(s)")
+        t, h, w = grids[image]
         h, w = h // merge, w // merge
+        if t * h * w > j - i:
+            raise ValueError(f"image {image}: a run of {j - i} placeholder tokens, expected "
+                             f"{t * h * w} (expand_image_tokens)")
         grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
                                           indexing="ij")).reshape(3, -1)
         streams.append(grid + pos)
-        pos, i = pos + max(h, w), i + t * h * w
+        pos, i, image = pos + max(h, w), i + t * h * w, image + 1
+    if image != len(grids):
+        raise ValueError(f"the prompt has placeholders for {image} of {len(grids)} image(s)")
     prompt = torch.cat(streams, dim=1) if streams else torch.zeros(3, 0, dtype=torch.int64)
     return MRopePositions(prompt, int(prompt.max()) + 1 - len(ids) if len(ids) else 0)

@@ -1,11 +1,12 @@
-"""Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision.py) beside the Llama-family decoder.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision.py) beside the decoder.
 
-The language model is models/llama.py's (Qwen2's q/k/v biases for Qwen2.5-VL, Qwen3's q/k norms
-for Qwen3-VL) under HF's `model.language_model.*` names, with two changes: its rotary embedding
-takes M-RoPE positions (layers/rotary.py), and a step's image tokens (ForwardBatch.vision) get
-the vision features as input embeddings, plus Qwen3-VL's deepstack features after its first
-layers. The tower runs apart from the decoder (`encode_images`): its output per image is what
-an encoder cache keeps, and a prefill chunk takes the rows of it that its tokens cover.
+The language model is models/llama.py's (Qwen2's q/k/v biases for Qwen2(.5)-VL, Qwen3's q/k
+norms for Qwen3-VL) under HF's `model.language_model.*` names, with two changes: its rotary
+embedding takes M-RoPE positions (layers/rotary.py), and a step's image tokens
+(ForwardBatch.vision) get the vision features as input embeddings, plus Qwen3-VL's deepstack
+features after its first layers. The tower runs apart from the decoder (`encode_images`): its
+output per image is what an encoder cache keeps, and a prefill chunk takes the rows of it that
+its tokens cover.
 """
 
 from __future__ import annotations

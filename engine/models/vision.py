@@ -1,4 +1,4 @@
-"""Vision towers of Qwen2.5-VL and Qwen3-VL (HF's `model.visual.*`), CPU-first torch ops.
+"""Vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (HF's `model.visual.*`), torch ops.
 
 Patches arrive flattened, (C, T, P, P) per row, in spatial-merge-block order (the image
 processor's layout: the merge x merge patches that become one language-model token are
@@ -22,6 +22,10 @@ from hotswap.engine.config import ModelConfig
 from hotswap.engine.layers.norm import RMSNorm
 from hotswap.engine.layers.rotary import Rope, apply_rotary, make_rope
 
+VISION_KINDS = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+DEFAULT_ACT = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -30,12 +34,14 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "quick_gelu": lambda x: x * torch
 class VisionConfig:
     """config.json's vision_config, with HF's defaults for the fields a checkpoint may omit."""
 
-    qwen3: bool  # Qwen3-VL's tower (LayerNorm, plain MLP, position table, deepstack)
+    # "qwen2_vl" (LayerNorm, fc1/fc2 MLP), "qwen2_5_vl" (RMSNorm, gated MLP, windows) or
+    # "qwen3_vl" (LayerNorm, linear_fc1/fc2 MLP, position table, deepstack)
+    kind: str
     depth: int
-    hidden_size: int
+    hidden_size: int  # the tower's width (Qwen2-VL's embed_dim)
     intermediate_size: int
     num_heads: int
-    out_hidden_size: int
+    out_hidden_size: int  # the language model's width
     hidden_act: str
     in_channels: int
     patch_size: int
@@ -50,27 +56,34 @@ class VisionConfig:
     @classmethod
     def from_model(cls, cfg: ModelConfig) -> VisionConfig:
         v: dict[str, Any] = cfg.vision or {}
-        qwen3 = cfg.architecture.startswith("Qwen3")
-        act = v.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")
+        kind = VISION_KINDS[cfg.architecture]
+        act = v.get("hidden_act", DEFAULT_ACT[kind])
         if act not in ACTIVATIONS:
             raise ValueError(f"config.json vision_config.hidden_act {act!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
-        return cls(
-            qwen3=qwen3, depth=v.get("depth", 27 if qwen3 else 32),
-            hidden_size=v.get("hidden_size", 1152 if qwen3 else 3584),
-            intermediate_size=v.get("intermediate_size", 4304 if qwen3 else 3420),
-            num_heads=v.get("num_heads", 16), out_hidden_size=v.get("out_hidden_size", 3584),
-            hidden_act=act, in_channels=v.get("in_channels", 3),
-            patch_size=v.get("patch_size", 16 if qwen3 else 14),
-            temporal_patch_size=v.get("temporal_patch_size", 2),
-            spatial_merge_size=v.get("spatial_merge_size", 2),
-            rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            window_size=0 if qwen3 else v.get("window_size", 112),
-            fullatt_block_indexes=() if qwen3 else tuple(
-                v.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            num_position_embeddings=v.get("num_position_embeddings", 2304) if qwen3 else 0,
-            deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes", (8, 16, 24)))
-            if qwen3 else ())
+        common = dict(kind=kind, depth=v.get("depth", 32), num_heads=v.get("num_heads", 16),
+                      hidden_act=act, in_channels=v.get("in_channels", 3),
+                      patch_size=v.get("patch_size", 16 if kind == "qwen3_vl" else 14),
+                      temporal_patch_size=v.get("temporal_patch_size", 2),
+                      spatial_merge_size=v.get("spatial_merge_size", 2),
+                      rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 1e4)))
+        if kind == "qwen2_vl":  # hidden_size names the output; the tower's width is embed_dim
+            width = v.get("embed_dim", 1280)
+            return cls(**common, hidden_size=width, intermediate_size=int(
+                width * v.get("mlp_ratio", 4)), out_hidden_size=v.get("hidden_size", 3584))
+        sizes = dict(hidden_size=v.get("hidden_size", 1152), out_hidden_size=v.get(
+            "out_hidden_size", 3584), intermediate_size=v.get("intermediate_size", 4304))
+        if kind == "qwen3_vl":
+            return cls(**common, **sizes,
+                       num_position_embeddings=v.get("num_position_embeddings", 2304),
+                       deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes",
+                                                            (8, 16, 24))))
+        return cls(**common, **sizes, window_size=v.get("window_size", 112),
+                   fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))))
+
+    @property
+    def qwen3(self) -> bool:
+        return self.kind == "qwen3_vl"
 
     @property
     def head_dim(self) -> int:
@@ -186,20 +199,22 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """Qwen3-VL's block MLP: fc2(act(fc1(x)))."""
+    """Qwen2-VL's and Qwen3-VL's block MLP: fc2(act(fc1(x))), under HF's names for each."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.names = ("linear_fc1", "linear_fc2") if cfg.qwen3 else ("fc1", "fc2")
+        setattr(self, self.names[0], nn.Linear(cfg.hidden_size, cfg.intermediate_size))
+        setattr(self, self.names[1], nn.Linear(cfg.intermediate_size, cfg.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        fc1, fc2 = (getattr(self, name) for name in self.names)
+        return fc2(self.act(fc1(x)))
 
 
 def _norm(cfg: VisionConfig, size: int) -> nn.Module:
-    return nn.LayerNorm(size, eps=1e-6) if cfg.qwen3 else RMSNorm(size, 1e-6)
+    return RMSNorm(size, 1e-6) if cfg.kind == "qwen2_5_vl" else nn.LayerNorm(size, eps=1e-6)
 
 
 class VisionBlock(nn.Module):
@@ -208,20 +223,21 @@ class VisionBlock(nn.Module):
         self.norm1 = _norm(cfg, cfg.hidden_size)
         self.norm2 = _norm(cfg, cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        self.mlp = PlainMLP(cfg) if cfg.qwen3 else GatedMLP(cfg)
+        self.mlp = GatedMLP(cfg) if cfg.kind == "qwen2_5_vl" else PlainMLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope, groups: list[torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, groups)
         return x + self.mlp(self.norm2(x))
 
 
-class Qwen25Merger(nn.Module):
-    """RMSNorm each patch, concatenate each merge group, then Linear-GELU-Linear."""
+class Qwen2Merger(nn.Module):
+    """Norm each patch, concatenate each merge group, then Linear-GELU-Linear (Qwen2-VL,
+    Qwen2.5-VL)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.width = cfg.hidden_size * cfg.merge_unit
-        self.ln_q = RMSNorm(cfg.hidden_size, 1e-6)
+        self.ln_q = _norm(cfg, cfg.hidden_size)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
                                  nn.Linear(self.width, cfg.out_hidden_size))
 
@@ -264,7 +280,7 @@ class VisionTower(nn.Module):
             self.deepstack_merger_list = nn.ModuleList(
                 Qwen3Merger(cfg, after_shuffle=True) for _ in cfg.deepstack_visual_indexes)
         else:
-            self.merger = Qwen25Merger(cfg)
+            self.merger = Qwen2Merger(cfg)
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
                 ) -> VisionFeatures:
@@ -277,7 +293,7 @@ class VisionTower(nn.Module):
         if cfg.qwen3:
             x = x + self.position_table(grids).to(x.dtype)
             return self._qwen3_blocks(x, coords, grids)
-        return self._qwen25_blocks(x, coords, grids)
+        return self._qwen2_blocks(x, coords, grids)
 
     def rope(self, coords: torch.Tensor, dtype: torch.dtype) -> Rope:
         """2-D rotary: half of each head's frequencies turn with the row, half with the col."""
@@ -287,9 +303,18 @@ class VisionTower(nn.Module):
         angles = (coords[..., None].float() * inv_freq).flatten(1)  # [N, rows | cols]
         return make_rope(angles.cos(), angles.sin(), dtype)
 
-    def _qwen25_blocks(self, x: torch.Tensor, coords: torch.Tensor,
-                       grids: list[tuple[int, int, int]]) -> VisionFeatures:
+    def _qwen2_blocks(self, x: torch.Tensor, coords: torch.Tensor,
+                      grids: list[tuple[int, int, int]]) -> VisionFeatures:
+        """Qwen2-VL: every block attends over whole frames; Qwen2.5-VL: only the
+        fullatt_block_indexes do, the others within windows (tokens reordered window by
+        window, and the merged tokens back at the end)."""
         cfg = self.cfg
+        full = block_groups(frame_bounds(grids), x.device)
+        if not cfg.window_size:
+            rope = self.rope(coords, x.dtype)
+            for block in self.blocks:
+                x = block(x, rope, full)
+            return VisionFeatures(self.merger(x), None)
         side = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         order, window_bounds = window_order(grids, cfg.spatial_merge_size, side)
         order = order.to(x.device)
@@ -297,7 +322,6 @@ class VisionTower(nn.Module):
                                                                   device=x.device)).flatten()
         x, coords = x[patches], coords[patches]
         rope = self.rope(coords, x.dtype)
-        full = block_groups(frame_bounds(grids), x.device)
         windows = block_groups(window_bounds, x.device)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, full if i in cfg.fullatt_block_indexes else windows)

@@ -1,6 +1,6 @@
-"""Qwen2.5-VL and Qwen3-VL (engine/models/qwen_vl.py, vision.py; M-RoPE in layers/rotary.py):
-tiny random checkpoints written here, driven through the ModelRunner without a scheduler, in
-float32 against Hugging Face transformers' own models."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (engine/models/qwen_vl.py, vision.py; M-RoPE in
+layers/rotary.py): tiny random checkpoints written here, driven through the ModelRunner without
+a scheduler, in float32 against Hugging Face transformers' own models."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from hotswap.engine.multimodal.image_processing import ImageProcessorConfig, pro
 
 TOL = 1e-4
 IMAGE, START, END = 5, 3, 4  # the fixture tokenizer's <|image_pad|>, <|vision_start|>, _end|>
-ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 # Image sizes whose grids differ: windows cut short at the right and bottom edges (Qwen2.5-VL),
 # a position table resampled up and down (Qwen3-VL), the smallest image (one token).
 SIZES = [(150, 90), (40, 70), (20, 20)]
@@ -188,6 +188,12 @@ def test_expanded_and_unexpanded_ids_give_the_same_prompt(vl):
     bad.insert(bad.index(IMAGE), IMAGE)  # a run of 2 for an image of more tokens
     with pytest.raises(ValueError, match="run of 2 placeholder tokens"):
         expand_image_tokens(bad, grids[:1], IMAGE, 2)
+    with pytest.raises(ValueError, match="image 0: a run of 2 placeholder tokens"):
+        mrope_positions(bad, grids[:1], IMAGE, 2)
+    with pytest.raises(ValueError, match="placeholders for 2 of 3 image"):
+        mrope_positions(ids, grids + [(1, 2, 2)], IMAGE, 2)
+    with pytest.raises(ValueError, match="more image placeholder runs than the 1 image"):
+        mrope_positions(ids, grids[:1], IMAGE, 2)
 
 
 def test_checkpoint_and_trainer_names_both_load(vl):
@@ -204,3 +210,15 @@ def test_checkpoint_and_trainer_names_both_load(vl):
     assert all(runner.weight_map[n].covers for n in older)
     visual = runner.weight_map["model.visual.blocks.0.attn.qkv.weight"].view
     assert torch.equal(visual, hf.model.visual.blocks[0].attn.qkv.weight)
+
+
+def test_config_reads_the_vision_fields(vl):
+    path, hf, runner = vl
+    mcfg = runner.model_config
+    assert mcfg.vision_token_ids == (IMAGE, 6, START, END)
+    assert mcfg.mrope_section == (2, 3, 3)
+    assert mcfg.mrope_interleaved == (hf.config.model_type == "qwen3_vl")
+    assert (mcfg.hidden_size, mcfg.num_layers, mcfg.vocab_size) == (64, 2, hf.config.text_config
+                                                                   .vocab_size)
+    with pytest.raises(ValueError, match="tp_size=2: the vision tower is not split"):
+        EngineConfig(model_path=path, tp_size=2).resolve(mcfg)
