@@ -61,7 +61,8 @@ class VisionConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"config.json vision_config.hidden_act {act!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
-        common = dict(kind=kind, depth=v.get("depth", 32), num_heads=v.get("num_heads", 16),
+        common = dict(kind=kind, depth=v.get("depth", 27 if kind == "qwen3_vl" else 32),
+                      num_heads=v.get("num_heads", 16),
                       hidden_act=act, in_channels=v.get("in_channels", 3),
                       patch_size=v.get("patch_size", 16 if kind == "qwen3_vl" else 14),
                       temporal_patch_size=v.get("temporal_patch_size", 2),
