@@ -21,7 +21,12 @@ CAUSAL_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalL
 SCORING_HEADS = ("ForSequenceClassification", "ForTokenClassification")
 SCORING_ARCHITECTURES = tuple(f"{family}{head}" for family in ("Llama", "Qwen2", "Qwen3")
                               for head in SCORING_HEADS)
-SUPPORTED_ARCHITECTURES = CAUSAL_ARCHITECTURES + SCORING_ARCHITECTURES
+# Vision-language models -> the text family of their language model (engine/models/qwen_vl.py).
+VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "Qwen2",
+                        "Qwen2_5_VLForConditionalGeneration": "Qwen2",
+                        "Qwen3VLForConditionalGeneration": "Qwen3"}
+SUPPORTED_ARCHITECTURES = CAUSAL_ARCHITECTURES + SCORING_ARCHITECTURES + tuple(
+    VISION_ARCHITECTURES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "int8")
 SPECULATIVE = (None, "ngram", "self")
@@ -67,6 +72,15 @@ class ModelConfig:
     # A reward model's score head (hidden -> num_labels); 0 for a model that generates.
     num_labels: int = 0
     score_bias: bool = False  # *ForTokenClassification's head has a bias unless told otherwise
+    # A vision-language model: config.json's vision_config (engine/models/vision.py reads it),
+    # its special tokens, and the M-RoPE split of the rotary frequencies over (t, h, w).
+    vision: dict[str, Any] | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -77,6 +91,10 @@ class ModelConfig:
                 f"config.json field 'architectures' = {archs!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        vision = _vision_fields(arch, cfg)
+        if vision:  # the language model's fields sit in text_config (transformers >= 5)
+            cfg = {**cfg, **(cfg.get("text_config") or {}),
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "vocab_size"):
             if key not in cfg:
@@ -85,8 +103,9 @@ class ModelConfig:
         # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_scaling`.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        family = arch.split("For")[0]  # Llama, Qwen2, Qwen3, Qwen3Moe, Mixtral
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        scaling = rope if kind not in ("default", "mrope") else None  # mrope: HF's older name
+        family = VISION_ARCHITECTURES.get(arch) or arch.split("For")[0]  # Llama, Qwen2, ...
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -110,6 +129,7 @@ class ModelConfig:
             sliding_window=_sliding_window(cfg),
             **_moe_fields(arch, cfg),
             **_score_fields(arch, cfg),
+            **vision,
         )
 
     @classmethod
@@ -127,6 +147,13 @@ class ModelConfig:
             return "generate"
         return "token_classify" if self.architecture.endswith("ForTokenClassification") else (
             "classify")
+
+    @property
+    def vision_token_ids(self) -> tuple[int, ...]:
+        """A vision-language model's special tokens (placeholders, image bounds): never sampled."""
+        ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id,
+               self.vision_end_token_id)
+        return tuple(i for i in ids if i is not None)
 
     @property
     def q_size(self) -> int:
@@ -156,6 +183,23 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     if window is None or not cfg.get("use_sliding_window", True):
         return None
     return int(window)
+
+
+def _vision_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config.json's vision fields (HF's names and defaults)."""
+    if arch not in VISION_ARCHITECTURES:
+        return {}
+    if not isinstance(cfg.get("vision_config"), dict):
+        raise ValueError(f"config.json of {arch} has no 'vision_config' object")
+    text = cfg.get("text_config") or cfg
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    qwen3 = arch.startswith("Qwen3")
+    section = rope.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])
+    return dict(vision=cfg["vision_config"], image_token_id=cfg.get("image_token_id", 151655),
+                video_token_id=cfg.get("video_token_id", 151656),
+                vision_start_token_id=cfg.get("vision_start_token_id", 151652),
+                vision_end_token_id=cfg.get("vision_end_token_id", 151653),
+                mrope_section=tuple(section), mrope_interleaved=qwen3)
 
 
 def _score_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -323,6 +367,9 @@ class EngineConfig:
         self._check_quantization(device)
         self._check_routed_experts(model)
         self._check_speculative(model)
+        if model.vision is not None and self.tp_size != 1:
+            raise ValueError(f"{model.architecture} with tp_size={self.tp_size}: the vision "
+                             "tower is not split over ranks; use tp_size=1")
         if self.ep_size != 1:
             raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
                              "tp_size splits every expert over the ranks instead")

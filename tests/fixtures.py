@@ -56,21 +56,24 @@ CORPUS = [
 TOKENIZER_VOCAB = 512
 
 
-def write_tokenizer(path: str) -> int:
-    """Train and save a small byte-level BPE tokenizer with a chat template; returns its size."""
+def write_tokenizer(path: str, extra_special_tokens: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE) -> int:
+    """Train and save a small byte-level BPE tokenizer with a chat template; returns its size.
+    Extra special tokens take the ids after the first three."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB,
+                                  special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                    eos_token="<|im_end|>", unk_token="<|endoftext|>",
                                    pad_token="<|im_end|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return len(fast)
 
@@ -257,6 +260,79 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+# Vision-language checkpoints (tests/engine/models/test_vision_models.py).
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# The ChatML template with Qwen2-VL's image parts: {"type": "image" | "image_url"} renders as
+# vision_start, one image_pad placeholder, vision_end.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def hf_vl_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
+    """A tiny Qwen2-VL, Qwen2.5-VL (windows of 2x2 merged tokens, block 1 full attention) or
+    Qwen3-VL (a 4x4 position table, deepstack from blocks 0 and 1) config; token ids 3..6 are
+    VISION_TOKENS."""
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                eos_token_id=2, bos_token_id=1)
+    tokens = dict(vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
+                  video_token_id=6)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=64, spatial_merge_size=2, temporal_patch_size=2)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    if arch == "qwen2_vl":  # the tower's width is embed_dim, its output's hidden_size
+        return transformers.Qwen2VLConfig(
+            text_config={**text, "rope_parameters": rope}, **tokens,
+            vision_config=dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
+    if arch == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLConfig(
+            text_config={**text, "rope_parameters": rope}, **tokens,
+            vision_config={**vision, "patch_size": 14, "window_size": 56,
+                           "fullatt_block_indexes": [1]})
+    return transformers.Qwen3VLConfig(
+        text_config={**text, "head_dim": 16,
+                     "rope_parameters": {**rope, "mrope_interleaved": True}}, **tokens,
+        vision_config={**vision, "patch_size": 16, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": [0, 1]})
+
+
+def write_tiny_vl_model(path: str, arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A seeded random tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL ("qwen2_vl", "qwen2_5_vl",
+    "qwen3_vl") at `path`, with
+    the trained tokenizer plus VISION_TOKENS, the image chat template and the model's image
+    processor (preprocessor_config.json, small min/max pixels); returns the HF model (eval,
+    float32) as the reference."""
+    vocab = write_tokenizer(path, VISION_TOKENS, VL_CHAT_TEMPLATE)
+    cfg = hf_vl_config(arch, vocab)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger than the default init: logits with real spread
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    patch = cfg.vision_config.patch_size
+    factor = patch * 2
+    processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=4 * factor * factor,
+        max_pixels=48 * factor * factor,
+        **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if arch == "qwen3_vl" else {}))
+    processor.save_pretrained(path)
+    with open(f"{path}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": 2, "bos_token_id": 1}, f)
+    return model.eval()
 
 
 # Mixture-of-experts checkpoints (tests/engine/models/test_moe.py, test_routed_experts.py).

@@ -28,10 +28,23 @@ def flat_ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class VisionInputs:
+    """What the vision tower made for a step's image tokens, in flat token rows: their input
+    embeddings are replaced by `embeds` (a chunk may hold any part of an image's run)."""
+
+    rows: torch.Tensor  # [n] int64: flat token rows holding image placeholders
+    embeds: torch.Tensor  # [n, hidden]: the merged vision features of those tokens
+    # [layers, n, hidden] (Qwen3-VL deepstack): added to those rows after each of the first layers
+    deepstack: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    # [T] int64; or, in a vision-language model, [3, T] M-RoPE (t, h, w) positions (its
+    # prompts' tokens from the first image on differ per stream: layers/rotary.py)
+    positions: torch.Tensor
     out_cache_loc: torch.Tensor  # [T] int64: KV slot each new token is written to
     req_pool_indices: torch.Tensor  # [B] int64: rows of the req-to-token table
     seq_lens: torch.Tensor  # [B] int64: prefix + new tokens after this step
@@ -48,6 +61,8 @@ class ForwardBatch:
     # [T, moe_layers, top_k]: the MoE layers write each token's experts here when the pool
     # keeps routing (enable_return_routed_experts); set by the ModelRunner
     routes: Any = field(default=None, repr=False)
+    # The step's image tokens in a vision-language model (VisionInputs), or None.
+    vision: Any = field(default=None, repr=False)
     # Run only the first num_layers decoder layers, then the final norm and head: a self-draft
     # (engine/speculative/self_draft.py). None: every layer.
     num_layers: int | None = None

@@ -6,7 +6,7 @@ import importlib
 
 from torch import nn
 
-from hotswap.engine.config import SCORING_ARCHITECTURES, ModelConfig
+from hotswap.engine.config import SCORING_ARCHITECTURES, VISION_ARCHITECTURES, ModelConfig
 
 _REGISTRY = {
     "LlamaForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",
@@ -15,6 +15,8 @@ _REGISTRY = {
     "Qwen3MoeForCausalLM": "hotswap.engine.models.moe:MoeForCausalLM",
     "MixtralForCausalLM": "hotswap.engine.models.moe:MoeForCausalLM",
     **{arch: "hotswap.engine.models.reward:LlamaForScoring" for arch in SCORING_ARCHITECTURES},
+    **{arch: "hotswap.engine.models.qwen_vl:QwenVLForConditionalGeneration"
+       for arch in VISION_ARCHITECTURES},
 }
 
 

@@ -1,0 +1,1 @@
+"""Images in prompts: decoding, content hashes and the model's preprocessing."""
