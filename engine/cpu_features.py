@@ -5,7 +5,15 @@ hotswap's (the dtype "auto" picks, the kernels built, the matmul paths) reads th
 from __future__ import annotations
 
 import functools
+import logging
 import os
+
+# CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What bf16 costs without them (bench/throughput.py, batch 64, under HOTSWAP_CPU_ISA=avx2).
+BF16_EMULATED_COST = "a batch of 64 decodes ~3.5x slower than in float32"
+
+logger = logging.getLogger(__name__)
 
 # HOTSWAP_CPU_ISA caps the CPU features hotswap sees, to take another CPU's code paths here:
 # "avx2" an AVX2-only CPU, "avx512" AVX-512 without BF16, VNNI or AMX
@@ -44,3 +52,35 @@ def _proc_cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def auto_dtype(device: str, checkpoint_dtype: str, cpu_flags: set[str] | None = None
+               ) -> tuple[str, str]:
+    """dtype="auto": the checkpoint's dtype where the device runs it fast, else float32.
+
+    Returns (dtype, the reason, for the log). On CPU only bf16 with AVX512-BF16 or AMX counts as
+    fast; float16 never does (no native fp16 matmul path on CPU here)."""
+    wanted = checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "float32"
+    if wanted == "float32":
+        return "float32", f"the checkpoint's dtype is {checkpoint_dtype}"
+    if device == "cuda":
+        return wanted, "the checkpoint's dtype, on CUDA"
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
+    have = [f for f in CPU_BF16_FLAGS if f in flags]
+    if wanted == "bfloat16" and have:
+        return "bfloat16", f"the checkpoint's dtype; this CPU has {', '.join(have)}"
+    return "float32", (f"the checkpoint is {wanted} but this CPU has none of "
+                       f"{', '.join(CPU_BF16_FLAGS)}" if wanted == "bfloat16" else
+                       "the checkpoint is float16, which has no fast CPU path")
+
+
+def warn_emulated_bf16(device: str, dtype: str, cpu_flags: set[str] | None = None) -> str | None:
+    """An explicit dtype="bfloat16" on a CPU without native bf16 runs (bf16 widened to float32
+    inside every matmul), at a cost the log states; returns that warning, or None."""
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
+    if device != "cpu" or dtype != "bfloat16" or any(f in flags for f in CPU_BF16_FLAGS):
+        return None
+    why = (f"dtype='bfloat16' on a CPU without {' or '.join(CPU_BF16_FLAGS)}: bf16 matmuls are "
+           f"emulated, {BF16_EMULATED_COST}; dtype='float32' (or 'auto') is faster here")
+    logger.warning(why)
+    return why

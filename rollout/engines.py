@@ -191,9 +191,10 @@ def engine_for(args: argparse.Namespace, path: str) -> Iterator[EngineHandle]:
 
 
 def start_scorer(path: str, args: argparse.Namespace) -> Any:
-    """A judge's or reward model's engine, in this process: its own weights, which no push of
-    the job reaches (the policy's checkpoint too gets an engine of its own). Every scoring
-    engine of the job is made here."""
+    """A judge's or reward model's engine, in this process: its own weights, frozen (an update
+    that does not name it is refused), so no push of the job reaches it (the policy's checkpoint
+    too gets an engine of its own). Every scoring engine of the job is made here."""
     from hotswap.engine import Engine
 
-    return Engine(path, dtype=args.dtype, seed=args.seed, max_total_tokens=args.max_total_tokens)
+    return Engine(path, dtype=args.dtype, seed=args.seed, max_total_tokens=args.max_total_tokens,
+                  frozen=True)

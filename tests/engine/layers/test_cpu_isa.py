@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hotswap.engine import config, cpu_features
+from hotswap.engine import cpu_features
 from hotswap.engine.layers import cpu_kernels
 
 CPU = frozenset({"sse4_2", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
@@ -48,16 +48,16 @@ def test_the_switch_caps_the_flags_every_check_reads(cpu):
 
 def test_auto_picks_float32_and_explicit_bf16_runs_with_its_cost_stated(cpu, caplog):
     cpu("avx2")
-    dtype, why = config.auto_dtype("cpu", "bfloat16")
+    dtype, why = cpu_features.auto_dtype("cpu", "bfloat16")
     assert dtype == "float32" and "avx512_bf16" in why
-    with caplog.at_level("WARNING", logger=config.__name__):
-        why = config.warn_emulated_bf16("cpu", "bfloat16")
+    with caplog.at_level("WARNING", logger=cpu_features.__name__):
+        why = cpu_features.warn_emulated_bf16("cpu", "bfloat16")
     assert why is not None and "emulated" in why and why in caplog.text
-    assert config.warn_emulated_bf16("cpu", "float32") is None
-    assert config.warn_emulated_bf16("cuda", "bfloat16") is None
+    assert cpu_features.warn_emulated_bf16("cpu", "float32") is None
+    assert cpu_features.warn_emulated_bf16("cuda", "bfloat16") is None
     cpu(None)
-    assert config.auto_dtype("cpu", "bfloat16")[0] == "bfloat16"
-    assert config.warn_emulated_bf16("cpu", "bfloat16") is None
+    assert cpu_features.auto_dtype("cpu", "bfloat16")[0] == "bfloat16"
+    assert cpu_features.warn_emulated_bf16("cpu", "bfloat16") is None
 
 
 def test_the_build_is_keyed_by_isa_and_source_bytes_not_by_checkout(cpu, tmp_path, monkeypatch):

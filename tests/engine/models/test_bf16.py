@@ -9,7 +9,8 @@ import torch
 import transformers
 from fixtures import Seq, random_ids, run_step
 
-from hotswap.engine.config import EngineConfig, ModelConfig, auto_dtype
+from hotswap.engine.config import EngineConfig, ModelConfig
+from hotswap.engine.cpu_features import auto_dtype
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.layers.linear import can_pack
 
