@@ -289,6 +289,16 @@ class EngineConfig:
     max_lora_rank: int = option(64, "the largest LoRA rank an adapter may have")
     max_loras_per_batch: int = option(
         8, "distinct LoRA adapters in one step; also the adapter pool's slots")
+    # Vision-language models (engine/multimodal/).
+    image_min_pixels: int | None = option(
+        None, "images are resized to at least this many pixels (None: the model's "
+        "preprocessor_config.json)")
+    image_max_pixels: int | None = option(
+        None, "images are resized to at most this many pixels (None: the model's "
+        "preprocessor_config.json)")
+    encoder_cache_mb: float = option(
+        256.0, "the vision encoder's outputs kept per (weights, adapter, image), least recently "
+        "used dropped first; 0 keeps none")
     # HiCache (engine/kvcache/hiradix_cache.py).
     enable_hierarchical_cache: bool = option(
         False, "write evicted prefix KV to a host tier and load it back on a match")
@@ -363,6 +373,14 @@ class EngineConfig:
         self._check_quantization(device)
         self._check_routed_experts(model)
         self._check_speculative(model)
+        for name in ("image_min_pixels", "image_max_pixels"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (self.image_min_pixels or 0) > (self.image_max_pixels or float("inf")):
+            raise ValueError("image_min_pixels must not exceed image_max_pixels")
+        if not self.encoder_cache_mb >= 0:
+            raise ValueError(f"encoder_cache_mb must be >= 0, got {self.encoder_cache_mb}")
         if model.vision is not None and self.tp_size != 1:
             raise ValueError(f"{model.architecture} with tp_size={self.tp_size}: the vision "
                              "tower is not split over ranks; use tp_size=1")

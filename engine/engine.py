@@ -30,6 +30,7 @@ from hotswap.engine.core.namespace import ServingVersion
 from hotswap.engine.core.request import Req
 from hotswap.engine.distributed.launch import make_runner, resolve_launch
 from hotswap.engine.lora.manager import LoRAManager
+from hotswap.engine.multimodal.image_processing import ImageProcessorConfig
 from hotswap.engine.request_builder import RequestBuilder
 from hotswap.engine.roles import PrefillDecodeRoles
 from hotswap.engine.scheduler.output import OutputProcessor
@@ -72,7 +73,7 @@ class Engine(PrefillDecodeRoles, EngineClient):
             self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
             self.loras.check_name, self.scheduler.sessions.known,
             self.config.enable_return_routed_experts, model_config.num_labels,
-            self.config.served_model_name)
+            self.config.served_model_name, model_config, self._image_processor())
         self._init_roles()
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
@@ -80,6 +81,24 @@ class Engine(PrefillDecodeRoles, EngineClient):
         # and the process aborts ("terminate called without an active exception").
         self._at_exit = functools.partial(_shutdown_if_alive, weakref.ref(self))
         atexit.register(self._at_exit)
+
+    def _image_processor(self) -> ImageProcessorConfig | None:
+        """A vision-language model's preprocessing: its preprocessor_config.json, with the
+        engine's image_min_pixels / image_max_pixels in place of its bounds."""
+        if self.model_config.vision is None:
+            return None
+        bounds = {name: value for name, value in (("min_pixels", self.config.image_min_pixels),
+                                                  ("max_pixels", self.config.image_max_pixels))
+                  if value is not None}
+        processor = ImageProcessorConfig.from_path(self.config.model_path, **bounds)
+        merge = self.runner.model.vision_config.spatial_merge_size
+        if processor.merge_size != merge:
+            raise ValueError(f"preprocessor_config.json merge_size {processor.merge_size} "
+                             f"differs from config.json's spatial_merge_size {merge}")
+        if processor.min_pixels > processor.max_pixels:
+            raise ValueError(f"image pixels: min {processor.min_pixels} over max "
+                             f"{processor.max_pixels}")
+        return processor
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

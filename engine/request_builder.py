@@ -14,9 +14,12 @@ from typing import Any
 
 from hotswap.engine.client.protocol import check_request_model
 from hotswap.engine.client.request import ClassifyRequest, GenerateRequest
+from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.request import Req, Scoring
 from hotswap.engine.core.sampling_params import SamplingParams
 from hotswap.engine.grammar.manager import GrammarManager
+from hotswap.engine.multimodal.image_processing import ImageProcessorConfig
+from hotswap.engine.multimodal.prompt_images import PromptImages, prompt_images
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class RequestBuilder:
     routed_experts: bool = False  # the engine may return routed experts (an MoE model)
     num_labels: int = 0  # a reward model's classes; 0: the model generates
     model_name: str = ""  # the served model's name: a request naming another is refused
+    model_config: ModelConfig | None = None  # a vision-language model takes images
+    image_processor: ImageProcessorConfig | None = None  # and preprocesses them so
 
     def build(self, request: GenerateRequest) -> tuple[list[Req], bool]:
         """Validate and tokenize everything first: a bad input raises before anything runs.
@@ -49,7 +54,7 @@ class RequestBuilder:
                              "--enable-return-routed-experts)")
         reqs = []
         for row in rows:
-            ids = self._prompt_ids(row)
+            ids, images = self._prompt_images(row)
             sp = SamplingParams.from_dict(row.sampling_params)
             self._check_request(ids, sp, row.lora_name)
             self._check_session(row.session_id, sp)
@@ -64,7 +69,8 @@ class RequestBuilder:
                     return_routed_experts=request.return_routed_experts,
                     cache_salt=row.cache_salt, lora_name=row.lora_name, stream=request.stream,
                     group_leader=leader, created=time.perf_counter(),
-                    grammar=self.grammars.for_sample(grammar_job), session_id=row.session_id))
+                    grammar=self.grammars.for_sample(grammar_job), session_id=row.session_id,
+                    images=images))
                 leader = leader or reqs[-1]
         return reqs, single and len(reqs) == 1
 
@@ -92,6 +98,17 @@ class RequestBuilder:
                             scoring=scoring, created=time.perf_counter()))
         return reqs, single
 
+    def _prompt_images(self, row: GenerateRequest) -> tuple[list[int], PromptImages | None]:
+        """A row's prompt ids, image placeholders expanded, and its images."""
+        images = row.image_data
+        if row.kind == "messages":
+            if images is not None:
+                raise ValueError("image_data: with messages, images go in the messages' "
+                                 "content parts ({'type': 'image_url', ...})")
+            images = message_images(row.messages)
+        return prompt_images(self._prompt_ids(row), images, self.model_config,
+                             self.image_processor, row.kind)
+
     def _prompt_ids(self, row: GenerateRequest | ClassifyRequest,
                     generation_prompt: bool = True) -> list[int]:
         if row.kind == "prompt":
@@ -107,11 +124,13 @@ class RequestBuilder:
 
     def _chat(self, conversation: list[dict], generation_prompt: bool) -> list[int]:
         for m in conversation:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError("each message needs a string 'role' and a string 'content'")
+            if not isinstance(m.get("role"), str) or not _content(m.get("content")):
+                raise ValueError("each message needs a string 'role' and a 'content' that is a "
+                                 "string or a list of {'type': 'text' | 'image_url' | 'image'} "
+                                 "parts")
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use prompt=")
-        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
+        ids = self.tokenizer.apply_chat_template(template_messages(conversation), tokenize=True,
                                                  add_generation_prompt=generation_prompt)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
@@ -141,3 +160,39 @@ class RequestBuilder:
         if len(ids) + 1 > self.kv_tokens():
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
                              f"{self.kv_tokens()}")
+
+
+IMAGE_PARTS = ("image_url", "image")
+
+
+def _content(content: Any) -> bool:
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
+                                 or p.get("type") in IMAGE_PARTS) for p in content))
+
+
+def message_images(conversation: list[dict]) -> list[Any]:
+    """The images of a conversation's content parts, in order: an image_url part's url (a
+    data: URL; nothing is fetched), an image part's image (any form image_data takes)."""
+    images = []
+    for m in conversation:
+        for part in m["content"] if isinstance(m.get("content"), list) else ():
+            if part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError("messages: an image_url part needs {'url': 'data:...'}")
+                images.append(url)
+            elif part.get("type") == "image":
+                if part.get("image") is None:
+                    raise ValueError("messages: an image part needs 'image' (the image)")
+                images.append(part["image"])
+    return images
+
+
+def template_messages(conversation: list[dict]) -> list[dict]:
+    """The conversation as chat templates read it: image parts as {'type': 'image'} (the
+    template writes the placeholder; the image itself travels apart)."""
+    return [m if isinstance(m["content"], str) else {**m, "content": [
+        {"type": "image"} if p["type"] in IMAGE_PARTS else p for p in m["content"]]}
+        for m in conversation]

@@ -21,10 +21,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from hotswap.engine.multimodal.image_processing import image_json
+
 if TYPE_CHECKING:  # Python >= 3.11; the annotations are never evaluated
     from typing import Self
 
 PROMPT_INPUTS = ("prompt", "input_ids", "messages")  # exactly one is given
+IMAGES = list  # image_data's per-prompt kind: a list of images (or one image)
 MAX_TOP_LOGPROBS = 100
 
 
@@ -70,7 +73,8 @@ class PromptRequest(Request):
         values, single = _prompts(kind, getattr(self, kind))
         self._check_call_fields()
         count = len(values)
-        columns = {f.name: _listed(getattr(self, f.name), count, f.name, f.metadata["per_prompt"])
+        columns = {f.name: _listed(getattr(self, f.name), count, f.name, f.metadata["per_prompt"],
+                                   single)
                    for f in dataclasses.fields(self) if "per_prompt" in f.metadata}
         rids = [r for r in columns["rid"] if r is not None]
         if len(set(rids)) < len(rids):
@@ -122,6 +126,9 @@ class GenerateRequest(PromptRequest):
     # an open session's (open_session): the turn's KV stays pinned after it
     session_id: str | list[str | None] | None = _per_prompt(str)
     model: str | None = None  # the served model's name (a fleet routes by it); None: the policy
+    # A vision-language model's images: per prompt a list of them (PIL image, bytes, base64,
+    # a data: URL, a local path), one placeholder run each in the prompt's order
+    image_data: Any = field(default=None, metadata={"per_prompt": IMAGES})
 
     @property
     def samples(self) -> int:
@@ -133,6 +140,13 @@ class GenerateRequest(PromptRequest):
         """A row's output ids: its rid, or "rid-k" for the k-th of n samples."""
         rid = str(self.rid)
         return [rid] if self.samples == 1 else [f"{rid}-{k}" for k in range(self.samples)]
+
+    def body(self) -> dict[str, Any]:
+        """As Request.body, images as strings (data: URLs) that travel as JSON."""
+        out = super().body()
+        if self.image_data is not None:
+            out["image_data"] = _map_images(self.image_data, image_json)
+        return out
 
     def _check_call_fields(self) -> None:
         for name in ("return_logprob", "stream", "return_routed_experts"):
@@ -259,14 +273,36 @@ def _conversation(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
-def _listed(value: Any, count: int, name: str, kind: type) -> list[Any]:
+def _listed(value: Any, count: int, name: str, kind: type, single: bool = False) -> list[Any]:
     """A per-prompt field as a list of `count`: one value for all, or a list."""
+    if kind is IMAGES:
+        return _image_lists(value, count, single)
     if value is None or isinstance(value, kind):
         return [value] * count
     if isinstance(value, list) and len(value) == count and all(
             v is None or isinstance(v, kind) for v in value):
         return list(value)
     raise ValueError(f"{name} must be a {kind.__name__} or a list of {count} of them")
+
+
+def _image_lists(value: Any, count: int, single: bool) -> list[list[Any] | None]:
+    """image_data per prompt: for one prompt its images (a list, or one image); for a list of
+    prompts a list of `count` entries, each None, one image or a list of images."""
+    if value is None:
+        return [None] * count
+    if single:
+        return [value if isinstance(value, list) else [value]]
+    if not isinstance(value, list) or len(value) != count:
+        raise ValueError(f"image_data must be a list of {count} entries (one per prompt: None, "
+                         "an image or a list of images)")
+    return [v if v is None or isinstance(v, list) else [v] for v in value]
+
+
+def _map_images(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """image_data with every image replaced by fn(image), its lists kept."""
+    if isinstance(value, list):
+        return [None if v is None else _map_images(v, fn) for v in value]
+    return fn(value)
 
 
 def request_method(name: str, request_type: type[Request] = GenerateRequest, *,

@@ -128,6 +128,9 @@ class Req:
     group_leader: Req | None = None  # n > 1: siblings wait for the leader's prompt KV
     grammar: Any = None  # grammar.manager.RequestGrammar: this sample's compile job and matcher
     created: float = field(default_factory=time.perf_counter)
+    # A vision-language prompt's images (multimodal/prompt_images.py PromptImages): their
+    # pixels, runs in prompt_ids, M-RoPE positions and the prompt's cache keys; None: text
+    images: Any = None
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -180,6 +183,13 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs: prompt + generated so far."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: an image's tokens by the image's content."""
+        if self.images is None:
+            return self.fill_ids
+        return list(self.images.keys) + self.output_ids
 
     @property
     def kv_len(self) -> int:

@@ -78,9 +78,12 @@ class SamplingBatchInfo:
         eos_ids: list[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        never: tuple[int, ...] = (),
     ) -> SamplingBatchInfo:
-        """`seeds_step[i]`: tokens row i has generated so far; `eos_ids`: the model's eos ids.
-        Token ids outside [0, vocab_size) are ignored here; `check_vocab` rejects them earlier."""
+        """`seeds_step[i]`: tokens row i has generated so far; `eos_ids`: the model's eos ids;
+        `never`: tokens no row samples (a vision-language model's vision tokens), banned as
+        min_new_tokens bans. Token ids outside [0, vocab_size) are ignored here; `check_vocab`
+        rejects them earlier."""
         device = torch.device(device)
         bsz, vocab = len(params), vocab_size
         temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
@@ -101,7 +104,7 @@ class SamplingBatchInfo:
             seeded = not greedy and p.seed is not None
             uniforms.append(seeded_uniform(p.seed, seeds_step[i]) if seeded else math.nan)
         trunc = groups["truncated"]
-        edits = _sparse_edits(params, output_ids, prompt_ids, eos_ids, vocab, device)
+        edits = _sparse_edits(params, output_ids, prompt_ids, eos_ids, vocab, device, never)
         return cls(
             batch_size=bsz,
             vocab_size=vocab,
@@ -136,6 +139,7 @@ def _sparse_edits(
     eos_ids: list[int],
     vocab: int,
     device: torch.device,
+    never: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor | None]:
     edits: dict[str, torch.Tensor | None] = dict.fromkeys(
         ("rep_index", "rep_penalty", "add_index", "add_value", "ban_index"))
@@ -151,6 +155,7 @@ def _sparse_edits(
         edits["add_index"], edits["add_value"] = add_index, add_value
     banned = [i * vocab + t for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens
               for t in set(p.stop_token_ids) | set(() if p.ignore_eos else eos_ids) if t < vocab]
+    banned += [i * vocab + t for i in range(len(params)) for t in never if t < vocab]
     if banned:
         edits["ban_index"] = torch.tensor(banned, dtype=torch.int64)
     return {k: None if v is None else v.to(device) for k, v in edits.items()}

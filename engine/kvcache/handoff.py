@@ -70,6 +70,9 @@ class KVHandoff:
     # scheduler thread), checksumming and handing it to the transport ("publish_s")
     timings: dict[str, float] = field(default_factory=dict)
     payload: torch.Tensor | None = field(default=None, repr=False)
+    # the content hashes of the prompt's images, in order (a vision-language prompt's KV is
+    # taken only for the same images)
+    image_hashes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(replace(self, payload=None))
@@ -84,7 +87,8 @@ class KVHandoff:
             raise ValueError("kv_handoff must be the descriptor a prefill engine returned "
                              "(meta_info['kv_handoff'])")
         names = set(cls.__dataclass_fields__)
-        missing = sorted(names - {"payload", "location", "transport", "timings"} - set(obj))
+        missing = sorted(names - {"payload", "location", "transport", "timings",
+                                  "image_hashes"} - set(obj))
         unknown = sorted(set(obj) - names)
         if missing or unknown:
             raise ValueError(f"kv_handoff: missing fields {missing}, unknown fields {unknown}")
@@ -105,6 +109,9 @@ class KVHandoff:
                  or isinstance(getattr(self, name), bool)]
         wrong += [name for name in ("adapter_name", "cache_salt", "location")
                   if getattr(self, name) is not None and not isinstance(getattr(self, name), str)]
+        if not (isinstance(self.image_hashes, list)
+                and all(isinstance(h, str) for h in self.image_hashes)):
+            wrong.append("image_hashes")
         if wrong:
             raise ValueError(f"kv_handoff: fields of the wrong type: {wrong}")
         if not ints(self.token_ids):
@@ -135,8 +142,11 @@ class KVHandoff:
     def namespace_fields(self) -> tuple[str, str | None, int, str | None]:
         return (self.weight_version, self.adapter_name, self.adapter_version, self.cache_salt)
 
-    def refusal(self, ns: Namespace) -> str | None:
-        """Why a decode engine serving `ns` for this request must not use this KV, or None."""
+    def refusal(self, ns: Namespace, image_hashes: list[str]) -> str | None:
+        """Why a decode engine serving `ns` for this request (whose prompt holds the images
+        of `image_hashes`) must not use this KV, or None."""
+        if image_hashes != self.image_hashes:
+            return "the prompt's images differ from those the KV was computed with"
         served = (ns.weight_version, ns.adapter_name, ns.adapter_version, ns.cache_salt)
         if served == self.namespace_fields:
             return None
@@ -166,6 +176,7 @@ class Exported:
     kv: torch.Tensor  # [2 * layers, tokens, kv_heads, head_dim], CPU
     routes: torch.Tensor | None  # [tokens, moe_layers, top_k] int16, CPU
     export_s: float  # reading them out, on the scheduler thread
+    image_hashes: list[str] = field(default_factory=list)
 
     def handoff(self) -> KVHandoff:
         """The descriptor and its payload (checksummed here, off the scheduler thread)."""
@@ -183,7 +194,8 @@ class Exported:
             kv_shape=list(self.kv.shape),
             routes_shape=None if self.routes is None else list(self.routes.shape),
             nbytes=payload.numel(), checksum=checksum(payload),
-            timings={"export_s": self.export_s}, payload=payload)
+            timings={"export_s": self.export_s}, payload=payload,
+            image_hashes=list(self.image_hashes))
 
 
 def checksum(payload: torch.Tensor) -> int:

@@ -33,6 +33,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # own decompression-bomb error starts at twice its MAX_IMAGE_PIXELS, about 179M).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 MAX_ASPECT_RATIO = 200  # smart_resize's limit
+PNG_MODES = ("1", "L", "LA", "I", "P", "RGB", "RGBA")  # what PNG stores as it is
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,19 @@ def load_image(data: Any, field: str = "image_data",
     except (OSError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ValueError(f"{field}: not a decodable image ({exc})") from exc
     return image
+
+
+def image_json(data: Any) -> str:
+    """An image input as a string that travels as JSON to another engine: a PIL image as a
+    PNG data: URL (lossless: it hashes the same there), bytes and local files as base64,
+    other strings (data: URLs, base64) as they are."""
+    if isinstance(data, Image.Image):
+        buffer = io.BytesIO()
+        (data if data.mode in PNG_MODES else data.convert("RGB")).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    if isinstance(data, str) and not os.path.isfile(data.removeprefix("file://")):
+        return data
+    return base64.b64encode(_image_bytes(data, "image_data")).decode()
 
 
 def _image_bytes(data: Any, field: str) -> bytes:

@@ -20,6 +20,7 @@ from hotswap.engine.core.request import FinishReason, Req
 if TYPE_CHECKING:
     from hotswap.engine.executor.model_runner import ModelRunner
     from hotswap.engine.kvcache.radix_cache import RadixCache
+    from hotswap.engine.multimodal.encoder_cache import EncoderCache
     from hotswap.engine.scheduler.kv_manager import KVManager
 
 
@@ -65,6 +66,7 @@ class SchedulerControl:
     kv: KVManager
     runner: ModelRunner
     stats: dict[str, float]
+    encoder: EncoderCache | None
 
     def load(self) -> SchedulerLoad:
         """Any thread, without waiting for a step: each count is one read of a length or a
@@ -183,6 +185,8 @@ class SchedulerControl:
         Sessions' pins there are dropped, which frees that KV."""
         def on_thread() -> None:
             self.tree.retire_where(retired)
+            if self.encoder is not None:
+                self.encoder.retire_where(retired)
             self.sessions.unpin_retired(retired)
             for ns in {r.namespace for r in self.running if r.namespace is not None}:
                 if retired(ns):
@@ -233,4 +237,6 @@ class SchedulerControl:
     def _reset_kv(self) -> None:
         self.sessions.forget_pins()
         self.tree.reset()
+        if self.encoder is not None:
+            self.encoder.clear()
         self.runner.allocator.clear()

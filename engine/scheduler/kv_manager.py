@@ -49,7 +49,7 @@ class StepPeers:
 
     def add(self, req: Req) -> None:
         """`req` has its slots for the step (its kv_len is final)."""
-        key = req.fill_ids[: req.kv_len]
+        key = req.cache_ids[: req.kv_len]
         keys = self._keys.setdefault(req.namespace, [])
         i = bisect.bisect_right(keys, key)
         keys.insert(i, key)
@@ -76,15 +76,30 @@ class KVManager:
         return self.allocator.available_size() + self.tree.evictable_size()
 
     def match_len(self, ns: Namespace, req: Req) -> int:
-        return self.tree.cached_len(ns, self._matchable(req))
+        return self._outside_images(req, self.tree.cached_len(ns, self._matchable(req)))
 
-    def _matchable(self, req: Req) -> list[int]:
-        # At least one token is always recomputed: its logits sample the next token (or give a
-        # classify request its scores). Per-token scores need every position computed.
+    def _matchable(self, req: Req, ns: Namespace | None = None) -> list[int]:
+        """The keys of what `req` may take from the cache. At least one token is always
+        recomputed: its logits sample the next token (or give a classify request its scores).
+        Per-token scores need every position computed. With `ns`, keys are cut where the
+        cache's match under `ns` would end inside an image's run."""
         if req.scoring is not None and req.scoring.per_token:
             return []
-        ids = req.fill_ids
-        return ids[: len(ids) - 1]
+        ids = req.cache_ids
+        ids = ids[: len(ids) - 1]
+        if req.images is not None and ns is not None:
+            cached = self.tree.cached_len(ns, ids)
+            ids = ids[: self._outside_images(req, cached)] if cached else ids
+        return ids
+
+    def _outside_images(self, req: Req, n: int) -> int:
+        """The longest page-aligned prefix of at most n tokens that ends outside every image's
+        run (a match never ends inside an image: docs/api.md#images)."""
+        if req.images is None:
+            return n
+        while (cut := req.images.match_end(n)) != n:
+            n = cut - cut % self.page_size
+        return n
 
     def admit(self, req: Req, ns: Namespace, peers: StepPeers | None = None) -> bool:
         """Give `req` a table row and its cached prefix; False when no row is free.
@@ -99,15 +114,15 @@ class KVManager:
         row = self.req_to_token.alloc()
         if row is None:
             return False
-        ids = self._matchable(req)
+        ids = self._matchable(req, ns)
         match = self.tree.match_prefix(ns, ids)
         self.tree.inc_lock_ref(match.last_node)
         self.unpin_handoff(req)  # the request's own lock holds the handed-off prefix now
         loaded = self.tree.fetch_lower_tiers(ns, ids, match)  # HiCache: host / storage KV
         match = loaded.match
         req.namespace, req.req_pool_idx, req.last_node = ns, row, match.last_node
-        req.kv_slots = torch.cat((match.slots, self._peer_slots(ids, ns, match.slots.numel(),
-                                                                peers)))
+        req.kv_slots = torch.cat((match.slots, self._peer_slots(req, ids, ns,
+                                                                match.slots.numel(), peers)))
         req.tree_prefix_len = req.kv_len
         if req.kv_len >= req.cached_tokens:
             req.cached_from_host = loaded.host_tokens
@@ -116,8 +131,8 @@ class KVManager:
         self.req_to_token.write(row, 0, req.kv_slots)
         return True
 
-    def _peer_slots(self, ids: list[int], ns: Namespace, start: int, peers: StepPeers | None
-                    ) -> torch.Tensor:
+    def _peer_slots(self, req: Req, ids: list[int], ns: Namespace, start: int,
+                    peers: StepPeers | None) -> torch.Tensor:
         """A peer's slots for ids[start:end], the longest page-aligned such run.
 
         Past `start` (the tree's match for `req`) a peer's slots are never the tree's: the tree
@@ -130,7 +145,8 @@ class KVManager:
                 shared -= shared % self.page_size
                 if shared > end:
                     best, end = peer, shared
-        if best is None:
+        end = self._outside_images(req, end)
+        if best is None or end <= start:
             return torch.empty(0, dtype=torch.int64)
         return best.kv_slots[start:end]
 
@@ -167,7 +183,8 @@ class KVManager:
         routes = pool.read_routes(slots) if pool.routes is not None else None
         kv = pool.read_tokens(slots)
         req.kv_export = Exported(req.namespace, list(req.prompt_ids), self.page_size, kv,
-                                 routes, time.perf_counter() - start)
+                                 routes, time.perf_counter() - start,
+                                 [] if req.images is None else req.images.hashes)
 
     def unpin_handoff(self, req: Req) -> None:
         if req.handoff_lock is not None:
@@ -230,7 +247,7 @@ class KVManager:
 
         A no-op when the cache is disabled or the request's namespace was retired (its KV was
         computed by older weights)."""
-        match = self.tree.cache_unfinished(req.namespace, req.fill_ids[:req.kv_len],
+        match = self.tree.cache_unfinished(req.namespace, req.cache_ids[:req.kv_len],
                                            req.kv_slots, req.last_node)
         if match.last_node is req.last_node:  # nothing new reached the tree
             return

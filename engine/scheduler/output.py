@@ -123,6 +123,9 @@ class OutputProcessor:
             "spec_accepted_tokens": req.spec_accepted_tokens,
             "e2e_latency": time.perf_counter() - req.created,
         }
+        if req.images is not None:  # what a trainer needs to score the same tokens
+            meta["prompt_ids"] = list(req.prompt_ids)
+            meta["images"] = [p.meta() for p in req.images.images]
         if req.lora_name is not None:
             meta["lora_name"] = req.lora_name
             meta["adapter_version"] = (req.version_spans[-1].adapter_version

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -28,10 +29,21 @@ class BatchRow:
         return int(self.samples)
 
 
+class ImageSpan(NamedTuple):
+    """A row's new tokens that hold image tokens: the prompt's tokens start..end-1 of `req`,
+    laid out from flat token row `row` (the encoder cache fills their embeddings)."""
+
+    req: Req
+    start: int
+    end: int
+    row: int
+
+
 @dataclass
 class ScheduleBatch:
     rows: list[BatchRow]
     forward_batch: ForwardBatch
+    image_spans: list[ImageSpan] = field(default_factory=list)
 
     @property
     def sampling_rows(self) -> list[BatchRow]:
@@ -42,10 +54,13 @@ class ScheduleBatch:
         """Rows must already hold KV slots for their new tokens (KVManager.alloc)."""
         ids: list[int] = []
         slots, prefix, extend, logits_idx, pool_rows = [], [], [], [], []
+        imaged: list[ImageSpan] = []  # rows of prompts with images: their positions differ
         for row in rows:
             req = row.req
             start = req.kv_len - row.extend
             slots.append(req.kv_slots[start:])
+            if req.images is not None:
+                imaged.append(ImageSpan(req, start, req.kv_len, len(ids)))
             if row.draft:
                 # A verify row runs as 1 + len(draft) one-token rows of the same request at
                 # consecutive positions: every backend stores a layer's new K/V before any row
@@ -68,4 +83,26 @@ class ScheduleBatch:
                 logits_idx.append(len(ids) - 1)
         fb = ForwardBatch.build(ids, torch.cat(slots), pool_rows, prefix, extend, logits_idx,
                                 device=device)
-        return cls(rows, fb)
+        if imaged:
+            fb.positions = _mrope_positions(fb.positions, imaged)
+        return cls(rows, fb, [s for s in imaged if s.req.images.overlaps(s.start, s.end)])
+
+
+def _mrope_positions(plain: torch.Tensor, spans: list[ImageSpan]) -> torch.Tensor:
+    """The step's positions with those of prompts with images made M-RoPE ones
+    (PromptImages.rope): plain [T] positions shifted where every stream agrees (decode rows:
+    by the request's offset), else [3, T]."""
+    ropes = [(s, s.req.images.rope(s.start, s.end)) for s in spans]
+    if all(isinstance(r, int) for _, r in ropes):
+        out = plain.clone()
+        for s, shift in ropes:
+            out[s.row: s.row + s.end - s.start] += shift
+        return out
+    out = plain.expand(3, -1).clone()
+    for s, rope in ropes:
+        n = s.end - s.start
+        if isinstance(rope, int):
+            out[:, s.row: s.row + n] += rope
+        else:
+            out[:, s.row: s.row + n] = rope.to(out.device)
+    return out

@@ -32,6 +32,7 @@ from hotswap.engine.grammar.manager import GrammarManager
 from hotswap.engine.kvcache.handoff import HandoffRefused
 from hotswap.engine.kvcache.hiradix_cache import make_radix_cache
 from hotswap.engine.lora.manager import LoRAManager
+from hotswap.engine.multimodal.encoder_cache import EncoderCache
 from hotswap.engine.scheduler.control import SchedulerControl
 from hotswap.engine.scheduler.kv_manager import KVManager, StepPeers
 from hotswap.engine.scheduler.output import OutputProcessor
@@ -86,6 +87,12 @@ class Scheduler(SchedulerControl, StepOutputs):
                       "spec_draft_s": 0.0,
                       # KV handoffs taken in (their tokens) and refused (decode engines)
                       "handoff_tokens": 0, "handoffs_refused": 0}
+        model = runner.model_config
+        self.never_sampled = model.vision_token_ids
+        # a vision-language model's encoder outputs (engine/multimodal/encoder_cache.py)
+        self.encoder = EncoderCache(
+            runner.model.encode_images, runner.model.vision_config.spatial_merge_size,
+            int(config.encoder_cache_mb * 2**20), self.stats) if model.vision else None
         self._admit_counter = 0
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
@@ -236,12 +243,13 @@ class Scheduler(SchedulerControl, StepOutputs):
                   "bytes": handoff.nbytes, **handoff.timings,
                   "receive_s": incoming.receive_s}
         try:
-            reason = incoming.error or handoff.refusal(ns)
+            hashes = [] if req.images is None else req.images.hashes
+            reason = incoming.error or handoff.refusal(ns, hashes)
             if reason is not None:
                 raise HandoffRefused(reason)
             pool = self.runner.kv_pool
             result["tokens"] = self.kv.import_prefix(
-                req, ns, handoff.token_ids,
+                req, ns, req.cache_ids[: len(handoff.token_ids)],
                 lambda slots: pool.write_tokens(incoming.kv, slots, incoming.routes))
             result["accepted"] = True
             self.stats["handoff_tokens"] += result["tokens"]
@@ -366,10 +374,12 @@ class Scheduler(SchedulerControl, StepOutputs):
         return True
 
     def _with_lora(self, batch: ScheduleBatch) -> ForwardBatch:
-        rows = batch.rows
-        batch.forward_batch.lora = self.lora.prepare([r.req.lora_name for r in rows],
-                                                     [r.extend for r in rows])
-        return batch.forward_batch
+        """The batch's forward inputs with its adapters' and images' parts."""
+        rows, fb = batch.rows, batch.forward_batch
+        fb.lora = self.lora.prepare([r.req.lora_name for r in rows], [r.extend for r in rows])
+        if batch.image_spans:
+            fb.vision = self.encoder.vision_inputs(batch.image_spans)
+        return fb
 
     def _schedule(self) -> ScheduleBatch | None:
         rows = self._reserve_decode()

@@ -33,6 +33,7 @@ class StepOutputs:
     outputs: OutputProcessor
     generator: torch.Generator
     stats: dict[str, float]
+    never_sampled: tuple[int, ...]  # a vision-language model's vision tokens
 
     @staticmethod
     def _sampled_reqs(rows: list[BatchRow]) -> list[Req]:
@@ -69,7 +70,7 @@ class StepOutputs:
             logits = logits[torch.tensor(take, device=logits.device)]
         info = SamplingBatchInfo.build(
             [r.params for r in reqs], outputs, [r.prompt_ids for r in reqs], steps,
-            self.outputs.eos_ids, logits.shape[-1], logits.device)
+            self.outputs.eos_ids, logits.shape[-1], logits.device, self.never_sampled)
         masks = self.grammars.step_masks(reqs, prefetched_masks, logits.device)
         if masks is not None:
             info.grammar_rows, info.grammar_bitmask = masks
