@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotswap.rollout.client import TokenClient
+from hotswap.rollout.client import TokenClient, row_images
 from hotswap.rollout.trajectory import Trajectory
 
 
@@ -19,16 +19,20 @@ class SingleTurn:
 
     def run_group(self, client: TokenClient, row: dict, group_size: int, group_id: int,
                   seed: int | None = None) -> list[Trajectory]:
-        """A row's optional "sampling" dict overrides the loop's and the client's params."""
+        """A row's optional "sampling" dict overrides the loop's and the client's params; its
+        images (client.row_images) go with the prompt."""
         prompt = client.encode_row(row)
+        images = row_images(row)
         params = {**self.sampling, **row.get("sampling", {})}
         if seed is not None:
             params.setdefault("seed", seed)
-        comps = client.generate(prompt, n=group_size, **params)
+        comps = client.generate(prompt, n=group_size, image_data=images, **params)
         trajs = []
         for k, comp in enumerate(comps):
-            traj = Trajectory(prompt_ids=prompt, finish_reason=comp.finish_type,
-                              group_id=group_id, sample_idx=k, row=row, text=comp.text)
+            # with images the engine's expanded prompt, which is what the trainer must score
+            traj = Trajectory(prompt_ids=comp.prompt_ids or prompt, finish_reason=comp.finish_type,
+                              group_id=group_id, sample_idx=k, row=row, text=comp.text,
+                              images=images or [], image_meta=comp.images)
             traj.append_generated(comp.output_ids, comp.logprobs, comp.versions,
                                  comp.routed_experts)
             trajs.append(traj)

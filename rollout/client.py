@@ -41,10 +41,34 @@ class Completion:
     # Speculative engines: verify steps and the drafted tokens they kept (meta_info's spec_*)
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # Prompts with images: the expanded prompt ids the model saw (one placeholder run per image)
+    # and per image {"grid_thw", "hash", "offset", "tokens"} (meta_info's prompt_ids, images)
+    prompt_ids: list[int] | None = None
+    images: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def finish_type(self) -> str:
         return self.finish_reason.get("type", "abort")
+
+
+def row_images(row: dict) -> list[Any] | None:
+    """A row's images in prompt order: its "image_data" list, else the image parts of its
+    messages ({"type": "image", "image": ...} or {"type": "image_url", "image_url": {"url"}});
+    None when it has none."""
+    if row.get("image_data") is not None:
+        return list(row["image_data"]) or None
+    images = [image_part(part) for msg in row.get("messages") or []
+              if isinstance(msg.get("content"), list)
+              for part in msg["content"] if part.get("type") in ("image", "image_url")]
+    return images or None
+
+
+def image_part(part: dict) -> Any:
+    """The image an image part of a chat message holds (any form the engine's image_data takes)."""
+    if part["type"] == "image":
+        return part["image"]
+    url = part["image_url"]
+    return url["url"] if isinstance(url, dict) else url
 
 
 def versions_per_token(spans: list[dict], count: int) -> list[str | None]:
@@ -126,11 +150,18 @@ class TokenClient:
 
     def generate(self, prompt_ids: list[int] | list[list[int]], n: int = 1,
                  session_id: str | list[str | None] | None = None,
-                 seeds: list[int] | None = None, **sampling: Any) -> list[Completion]:
+                 seeds: list[int] | None = None, image_data: list | None = None,
+                 **sampling: Any) -> list[Completion]:
         """n samples of each prompt (one request per prompt: its prefill is shared), adjacent.
         session_id: per prompt, an open session of the backend (n must then be 1); seeds: per
-        prompt, in place of a `seed`."""
-        prompts = [prompt_ids] if prompt_ids and isinstance(prompt_ids[0], int) else prompt_ids
+        prompt, in place of a `seed`. image_data: the images of one prompt (a list), or for a
+        list of prompts one entry per prompt (None or a list); the prompt holds one
+        <|image_pad|> placeholder (or the expanded run) per image."""
+        single = bool(prompt_ids) and isinstance(prompt_ids[0], int)
+        prompts = [prompt_ids] if single else prompt_ids
+        images = [image_data] if single else image_data
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"image_data: {len(images)} entries for {len(prompts)} prompts")
         params = {**self.sampling, **sampling, "n": n}
         per_prompt = [params] * len(prompts) if seeds is None else [
             {**params, "seed": seed} for seed in seeds]
@@ -139,22 +170,26 @@ class TokenClient:
                                             "message": "cancelled by the rollout"})
                     for _ in range(len(prompts) * n)]
         outs = self._call([list(p) for p in prompts], params if seeds is None else per_prompt,
-                          session_id)
+                          session_id, images)
         comps = [self._completion(o) for o in outs]
         self._count(len(prompts), prompts, n, comps)
         for i, comp in enumerate(comps):
-            comps[i] = self._finish_interrupted(prompts[i // n], comp, per_prompt[i // n])
+            comps[i] = self._finish_interrupted(prompts[i // n], comp, per_prompt[i // n],
+                                                None if images is None else images[i // n])
         return comps
 
     def _call(self, prompts: list[list[int]], params: dict | list[dict],
-              session_id: str | list[str | None] | None = None) -> list[dict]:
+              session_id: str | list[str | None] | None = None,
+              images: list | None = None) -> list[dict]:
         rids = [f"{self._prefix}-{next(self._rids)}" for _ in prompts]
         with self._lock:
             self.inflight.update(rids)
         try:
-            extra = {"return_routed_experts": True} if self.routed_experts else {}
+            extra: dict[str, Any] = {"return_routed_experts": True} if self.routed_experts else {}
             if session_id is not None:
                 extra["session_id"] = session_id
+            if images is not None and any(images):  # text-only backends never see the argument
+                extra["image_data"] = images
             outs = self.backend.generate(input_ids=prompts, sampling_params=params,
                                          return_logprob=True, rid=rids, **extra)
         finally:
@@ -182,15 +217,18 @@ class TokenClient:
                           cached_tokens=int(meta.get("cached_tokens", 0)), text=out["text"],
                           routed_experts=meta.get("routed_experts"),
                           spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
-                          spec_accepted_tokens=int(meta.get("spec_accepted_tokens", 0)))
+                          spec_accepted_tokens=int(meta.get("spec_accepted_tokens", 0)),
+                          prompt_ids=meta.get("prompt_ids"),
+                          images=list(meta.get("images", [])))
 
-    def _finish_interrupted(self, prompt: list[int], comp: Completion, params: dict
-                            ) -> Completion:
+    def _finish_interrupted(self, prompt: list[int], comp: Completion, params: dict,
+                            images: list | None = None) -> Completion:
         budget = int(params.get("max_new_tokens", 128))
         while self._should_resubmit(comp) and len(comp.output_ids) < budget:
             rest = {**params, "n": 1, "max_new_tokens": budget - len(comp.output_ids)}
             rest["min_new_tokens"] = max(0, rest.get("min_new_tokens", 0) - len(comp.output_ids))
-            more = self._completion(self._call([prompt + comp.output_ids], rest)[0])
+            more = self._completion(self._call([prompt + comp.output_ids], rest,
+                                               images=None if images is None else [images])[0])
             with self._lock:
                 self.stats["resubmits"] += 1
                 self.stats["completion_tokens"] += len(more.output_ids)
@@ -201,7 +239,8 @@ class TokenClient:
                                                            more.routed_experts),
                               spec_verify_ct=comp.spec_verify_ct + more.spec_verify_ct,
                               spec_accepted_tokens=(comp.spec_accepted_tokens
-                                                    + more.spec_accepted_tokens))
+                                                    + more.spec_accepted_tokens),
+                              prompt_ids=comp.prompt_ids, images=comp.images)
         if self._should_resubmit(comp):  # the budget ran out exactly at the interruption
             comp.finish_reason = {"type": "length", "matched": None, "message": None}
         return comp

@@ -3,6 +3,8 @@
 `addition`: single-digit sums, one turn, exact match on the last number of the reply.
 `tools`: multi-digit arithmetic that a small model cannot do in its head, with a `calculator`
 tool called in the Hermes format and run by `ToolLoop`; the reward checks the final answer.
+`shapes` (vision-language models): a drawn image of a few circles, squares and triangles and the
+question how many there are; the image travels in the chat message (an image part), exact match.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from PIL import Image, ImageDraw
+
 from hotswap.rollout.agent_loops import SingleTurn
 from hotswap.rollout.rewards import RewardFn, exact_match
 from hotswap.rollout.tool_loop import ToolLoop, hermes_tool_calls
 from hotswap.rollout.trajectory import Trajectory
 
-TASKS = ("addition", "tools")
+TASKS = ("addition", "tools", "shapes")
 MAX_EXPRESSION_CHARS = 200
 
 
@@ -34,6 +38,50 @@ def addition_rows(count: int, seed: int) -> list[dict]:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         question = f"What is {a} + {b}? Reply with just the number."
         rows.append({"messages": [{"role": "user", "content": question}], "answer": a + b})
+    return rows
+
+
+SHAPES_QUESTION = "How many shapes are in the image? Answer with a number."
+SHAPE_KINDS = ("circle", "square", "triangle")
+# Sides in pixels: the tiny test processors (14-16 px patches, 2x2 merged) give 4 to 16 image
+# tokens; a real Qwen2-VL processor gives 4 to 16 as well (28 px per merged token).
+SHAPE_SIDES = (56, 84, 112)
+
+
+def draw_shapes(count: int, side: int, rng: random.Random) -> Image.Image:
+    """`count` shapes of random kinds and colours on a plain background, each in its own cell
+    of a 2x2 grid (so none overlap and the count is unambiguous), jittered inside the cell."""
+    background = tuple(rng.randint(200, 255) for _ in range(3))
+    image = Image.new("RGB", (side, side), background)
+    draw = ImageDraw.Draw(image)
+    cell = side // 2
+    for index in rng.sample(range(4), count):
+        size = rng.randint(cell // 2, cell - 4)
+        x0 = (index % 2) * cell + rng.randint(2, cell - size - 2)
+        y0 = (index // 2) * cell + rng.randint(2, cell - size - 2)
+        box = (x0, y0, x0 + size, y0 + size)
+        colour = tuple(rng.randint(0, 160) for _ in range(3))
+        kind = rng.choice(SHAPE_KINDS)
+        if kind == "circle":
+            draw.ellipse(box, fill=colour)
+        elif kind == "square":
+            draw.rectangle(box, fill=colour)
+        else:
+            draw.polygon([(x0, y0 + size), (x0 + size, y0 + size), (x0 + size // 2, y0)],
+                         fill=colour)
+    return image
+
+
+def shapes_rows(count: int, seed: int) -> list[dict]:
+    """One to four shapes per image; the chat's user message holds the image and the question
+    (an image part, then a text part); the answer is the count."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        shapes = rng.randint(1, 4)
+        image = draw_shapes(shapes, rng.choice(SHAPE_SIDES), rng)
+        content = [{"type": "image", "image": image}, {"type": "text", "text": SHAPES_QUESTION}]
+        rows.append({"messages": [{"role": "user", "content": content}], "answer": shapes})
     return rows
 
 
@@ -182,8 +230,10 @@ def make_task(name: str, max_new_tokens: int, max_turns: int = 3,
                         max_tokens=max_turns * (max_new_tokens + 32), parse=hermes_tool_calls,
                         stop=["</tool_call>"])
         return Task(name, tool_rows, loop, ToolReward(format_reward))
+    if name == "shapes":
+        return Task(name, shapes_rows, SingleTurn(), exact_match())
     raise ValueError(f"unknown task {name!r}; one of {TASKS}")
 
 
 __all__ = ["TASKS", "Task", "ToolReward", "addition_rows", "answer_in", "calculator",
-           "make_task", "tool_rows", "tool_score"]
+           "draw_shapes", "make_task", "shapes_rows", "tool_rows", "tool_score"]

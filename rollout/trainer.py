@@ -13,6 +13,9 @@ of long responses is split into several sequences (split_unit).
 tests/rollout/test_rollout_grpo.py checks the gradients against the one padded row per sample
 that this replaced. With exact=True (the GRPO job's --exact-logprobs) the units run through
 rollout/exact_forward.py instead, whose logprobs equal a deterministic engine's bit for bit.
+A vision-language checkpoint (config.json with a vision_config) is loaded as HF's
+AutoModelForImageTextToText and scored one sample per forward with its images
+(rollout/vision_forward.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from hotswap.rollout.exact_forward import ExactForward, segment_sequences
 from hotswap.rollout.importance import importance_weights
 from hotswap.rollout.routing_replay import replay_routes
 from hotswap.rollout.trajectory import RolloutBatch
+from hotswap.rollout.vision_forward import VisionScorer, is_vision_language
 
 
 class Packed(NamedTuple):
@@ -46,12 +50,16 @@ class Packed(NamedTuple):
 
 def prompt_units(batch: RolloutBatch) -> list[list[int]]:
     """Batch rows grouped by identical prompt (and identical prompt routes under routing replay,
-    so that packing never changes what a row's prompt replays), in order of first appearance."""
+    so that packing never changes what a row's prompt replays; identical images, whose
+    placeholder runs are the same ids for any image of the same grid), in order of first
+    appearance."""
     units: dict[tuple, list[int]] = {}
     for i, prompt in enumerate(batch.prompt_ids):
         routes = batch.routed_experts[i] if i < len(batch.routed_experts) else None
         routed = None if routes is None else np.asarray(routes[:len(prompt)]).tobytes()
-        units.setdefault((tuple(prompt), routed), []).append(i)
+        meta = batch.image_meta[i] if i < len(batch.image_meta) else []
+        images = tuple(image["hash"] for image in meta)
+        units.setdefault((tuple(prompt), routed, images), []).append(i)
     return list(units.values())
 
 
@@ -223,8 +231,15 @@ class Trainer:
         import transformers
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        vision = is_vision_language(path)
+        if vision and exact:
+            raise ValueError("exact logprobs: not for vision-language models")
+        auto = (transformers.AutoModelForImageTextToText if vision
+                else transformers.AutoModelForCausalLM)
+        self.model = auto.from_pretrained(path, dtype=torch_dtype)
         self.model.train()
+        # vision-language models: one sample per forward, with its images
+        self.vision = VisionScorer(self.model, path) if vision else None
         # fused: one pass over each tensor where the default CPU loop makes six (0.07 against
         # 0.38 s for SmolLM2-135M); the same update up to rounding in the last bit
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0,
@@ -236,7 +251,7 @@ class Trainer:
         self.tis, self.tis_mode = tis, tis_mode
         # split_unit's attention cost: a dense-mask position costs as much as the layers' matmuls
         # at L ~ 4.5 x hidden size (fitted on SmolLM2's forward and backward on CPU)
-        self.pack_width = 4.5 * self.model.config.hidden_size
+        self.pack_width = 4.5 * self.model.config.get_text_config().hidden_size
         # the engine's kernels over this model's parameters (deterministic engines only)
         self.exact = ExactForward(self.model) if exact else None
 
@@ -251,6 +266,8 @@ class Trainer:
     def response_logprobs(self, batch: RolloutBatch, units: list[list[int]], r_len: int,
                           route_stats: dict[str, int]) -> torch.Tensor:
         """[rows of `units`, r_len] log p of the trainable tokens, 0 elsewhere."""
+        if self.vision is not None:
+            return self.vision.response_logprobs(batch, units, r_len, self.temperature)
         packed = pack(batch, units, self.pad_id, self.model.dtype)
         if self.exact is not None:
             seqs, index = segment_sequences(packed.input_ids, packed.position_ids,

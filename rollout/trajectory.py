@@ -4,6 +4,9 @@ Invariants kept here: response_ids, loss_mask, logprobs and versions have one en
 token; a token with loss mask 0 (template, tool output) has logprob 0 and no version; the
 trajectories of a group are adjacent in a batch. Routed experts (MoE routing replay) have one row
 per position of prompt + response that the engine fed, in sequence order (docs/moe.md).
+With images (vision-language models) the ids are the engine's expanded ones (one placeholder
+run per image, as long as its grid says) and `images` holds the images in sequence order, one
+per run, with the engine's `image_meta` for each (grid_thw, hash, offset, tokens).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)  # multi-turn loops: the chat
     # [positions, moe_layers, top_k]: the engine's experts for prompt + response (routing replay)
     routed_experts: np.ndarray | None = None
+    images: list[Any] = field(default_factory=list)  # every image of prompt + response, in order
+    image_meta: list[dict[str, Any]] = field(default_factory=list)  # the engine's, per image
 
     def append_generated(self, ids: list[int], logprobs: list[float],
                          versions: list[str | None], routes: np.ndarray | None = None) -> None:
@@ -63,6 +68,28 @@ class Trajectory:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [None] * len(ids)
+
+    def adopt_expanded(self, ids: list[int] | None, image_meta: list[dict[str, Any]]) -> None:
+        """Take the engine's expanded ids of prompt + response so far (meta_info["prompt_ids"]
+        of the request that continued it) and its image meta. Only the placeholders of images
+        added since the last request grow, and those sit in the trailing context tokens (a tool
+        message), so the response's last context run is replaced by the engine's."""
+        if ids is None:
+            return
+        if not self.response_ids:
+            self.prompt_ids = list(ids)
+        else:
+            keep = len(self.response_ids)
+            while keep and self.loss_mask[keep - 1] == 0:
+                keep -= 1
+            start = len(self.prompt_ids) + keep
+            if list(ids[:start]) != self.prompt_ids + self.response_ids[:keep]:
+                raise ValueError("the engine's prompt ids differ from the trajectory's before "
+                                 "its last context tokens")
+            self.response_ids = self.response_ids[:keep]
+            del self.loss_mask[keep:], self.logprobs[keep:], self.versions[keep:]
+            self.append_context(list(ids[start:]))
+        self.image_meta = list(image_meta)
 
     def check(self) -> None:
         n = len(self.response_ids)
@@ -97,6 +124,8 @@ class RolloutBatch:
     meta: dict[str, Any] = field(default_factory=dict)
     trajectories: list[Trajectory] = field(default_factory=list, repr=False)
     routed_experts: list[np.ndarray | None] = field(default_factory=list, repr=False)
+    images: list[list[Any]] = field(default_factory=list, repr=False)  # per row, in order
+    image_meta: list[list[dict[str, Any]]] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory], advantages: list[float],
@@ -118,7 +147,8 @@ class RolloutBatch:
             reward_info=[dict(t.reward_info) for t in ts], group_ids=[t.group_id for t in ts],
             sample_idx=[t.sample_idx for t in ts], finish_reason=[t.finish_reason for t in ts],
             num_turns=[t.num_turns for t in ts], meta=dict(meta or {}), trajectories=ts,
-            routed_experts=[t.routed_experts for t in ts])
+            routed_experts=[t.routed_experts for t in ts], images=[list(t.images) for t in ts],
+            image_meta=[list(t.image_meta) for t in ts])
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -1,0 +1,134 @@
+"""Vision-language rollouts: the `shapes` task's rows, and the GRPO job's path (collect with the
+task's loop, the Trainer, the in-process push) on tiny random Qwen2.5-VL and Qwen3-VL
+checkpoints in float32: the trainer's logprobs of the engine's image rollouts are the engine's,
+before and after a step whose weights (vision tower included) are pushed back."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+from fixtures import write_tiny_vl_model
+
+from hotswap.rollout.client import TokenClient, row_images
+from hotswap.rollout.collect import collect
+from hotswap.rollout.engines import start_in_process
+from hotswap.rollout.tasks import SHAPES_QUESTION, make_task, shapes_rows
+from hotswap.rollout.trainer import Trainer
+from hotswap.rollout.trajectory import RolloutBatch
+
+TOL = 1e-4
+
+
+def components(image) -> int:
+    """Connected regions (4-neighbour) of pixels that differ from the top-left background."""
+    pixels = np.asarray(image)
+    ink = (pixels != pixels[0, 0]).any(-1)
+    seen = np.zeros_like(ink)
+    count = 0
+    for y, x in zip(*np.nonzero(ink)):
+        if seen[y, x]:
+            continue
+        count += 1
+        queue = deque([(y, x)])
+        seen[y, x] = True
+        while queue:
+            cy, cx = queue.popleft()
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < ink.shape[0] and 0 <= nx < ink.shape[1] and ink[ny, nx] \
+                        and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    queue.append((ny, nx))
+    return count
+
+
+def test_shapes_rows_are_deterministic_per_seed_and_their_counts_are_right():
+    rows, again, other = shapes_rows(12, 7), shapes_rows(12, 7), shapes_rows(12, 8)
+    images = [row_images(r)[0] for r in rows]
+    assert [im.tobytes() for im in images] == [row_images(r)[0].tobytes() for r in again]
+    assert [r["answer"] for r in rows] == [r["answer"] for r in again]
+    assert [im.tobytes() for im in images] != [row_images(r)[0].tobytes() for r in other]
+    assert {r["answer"] for r in rows} <= {1, 2, 3, 4} and len({r["answer"] for r in rows}) > 1
+    for row, image in zip(rows, images):
+        assert components(image) == row["answer"]
+        assert 56 <= image.width == image.height <= 112
+        (message,) = row["messages"]
+        assert [p["type"] for p in message["content"]] == ["image", "text"]
+        assert message["content"][1]["text"] == SHAPES_QUESTION
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def job(request, tmp_path_factory):
+    """The GRPO job's pieces on a tiny VL checkpoint: engine (in process), client, trainer."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    write_tiny_vl_model(path, request.param)
+    handle = start_in_process(path, "float32", 0, 8192, {})
+    client = TokenClient(handle.backend, tokenizer=path,
+                         sampling={"temperature": 1.0, "max_new_tokens": 8})
+    trainer = Trainer(path, lr=1e-2, clip=0.2, temperature=1.0, micro_batch=64,
+                      dtype="float32", pad_id=client.tokenizer.pad_token_id or 0)
+    yield handle, client, trainer
+    handle.close()
+
+
+def varied_reward(traj) -> float:
+    """Something a random model's samples differ in (the count they never get right), so the
+    step has a gradient."""
+    return sum(t % 2 for t in traj.response_ids) / max(1, len(traj.response_ids))
+
+
+def rollouts(client: TokenClient, seed: int) -> RolloutBatch:
+    task = make_task("shapes", max_new_tokens=8)
+    return collect(client, task.loop, task.rows(3, seed), group_size=3, reward=varied_reward,
+                   seed=seed)
+
+
+def max_dlogp(trainer: Trainer, batch: RolloutBatch) -> float:
+    """The largest |trainer - engine| logprob over every response token of the batch."""
+    units = trainer.units(batch)
+    order = [i for unit in units for i in unit]
+    with torch.no_grad():
+        logp = trainer.response_logprobs(batch, units, max(map(len, batch.response_ids)), {})
+    worst = 0.0
+    for k, i in enumerate(order):
+        n = len(batch.response_ids[i])
+        engine = torch.tensor(batch.behavior_logprobs[i])
+        worst = max(worst, (logp[k, :n] - engine).abs().max().item())
+    return worst
+
+
+def test_the_trainer_scores_the_engines_image_rollouts_as_the_engine_did(job):
+    _, client, trainer = job
+    batch = rollouts(client, seed=0)
+    assert len(batch) == 9 and all(len(r) == 8 for r in batch.response_ids)
+    for prompt, images, meta in zip(batch.prompt_ids, batch.images, batch.image_meta):
+        (image,) = meta  # one image per row, expanded in the prompt the trainer scores
+        assert len(images) == 1 and image["tokens"] >= 4
+        run = prompt[image["offset"]: image["offset"] + image["tokens"]]
+        assert set(run) == {client.backend.model_config.image_token_id}
+    assert max_dlogp(trainer, batch) <= TOL
+
+
+def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job):
+    """One step, pushed: the engine samples from the trainer's weights. Then the vision tower
+    alone is perturbed: the trainer then disagrees with the engine's last batch, and agrees
+    with the engine again once pushed (the push carries the tower's tensors)."""
+    handle, client, trainer = job
+    before = rollouts(client, seed=1)
+    metrics = trainer.step(before)
+    assert metrics["mismatch/abs_diff"] <= TOL and metrics["train/grad_norm"] > 0
+    named = trainer.named_weights()
+    assert any(".visual." in name for name, _ in named)
+    handle.push(named, "1")
+    after = rollouts(client, seed=1)
+    assert after.behavior_logprobs != before.behavior_logprobs
+    assert max_dlogp(trainer, after) <= TOL
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".visual." in name and p.dim() >= 2:
+                p.add_(torch.randn_like(p) * 0.05)
+    assert max_dlogp(trainer, after) > 1e-3
+    handle.push(trainer.named_weights(), "2")
+    assert max_dlogp(trainer, rollouts(client, seed=1)) <= TOL
