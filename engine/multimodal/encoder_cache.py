@@ -48,15 +48,12 @@ class EncoderCache:
     def vision_inputs(self, spans: list[Any]) -> VisionInputs | None:
         """The VisionInputs of a step's image spans (schedule_batch.ImageSpan: each request's
         namespace is set, it has been admitted)."""
-        features = self._features([(s.req.namespace, p) for s in spans
-                                   for p in s.req.images.images if p.offset < s.end
-                                   and s.start < p.end])
-        parts = []
-        for s in spans:
-            placed = [(p.offset, features[(s.req.namespace, p.image.hash)])
-                      for p in s.req.images.images]
-            parts.append(chunk_vision_inputs(placed, s.start, s.end, s.row))
-        return join_vision_inputs(parts)
+        shown = [(s, [p for p in s.req.images.images if p.offset < s.end and s.start < p.end])
+                 for s in spans]
+        features = self._features([(s.req.namespace, p) for s, images in shown for p in images])
+        return join_vision_inputs([chunk_vision_inputs(
+            [(p.offset, features[(s.req.namespace, p.image.hash)]) for p in images],
+            s.start, s.end, s.row) for s, images in shown])
 
     def _features(self, wanted: list[tuple[Namespace, Any]]) -> dict[Key, VisionFeatures]:
         """Each wanted (namespace, PromptImage)'s features: cached, or encoded now (the

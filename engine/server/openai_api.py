@@ -28,6 +28,7 @@ from hotswap.engine.parsers.streaming import ReasoningStream, ToolStream
 from hotswap.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ImageUrlPart,
     NamedToolChoice,
     ResponseFormat,
     SamplingFields,
@@ -121,12 +122,16 @@ def chat_job(req: ChatCompletionRequest, model: str, context_length: int,
     if reads_calls is not None:
         _add_tool_grammar(params, parser, tools, choice, req.parallel_tool_calls)
     messages = [{**m.model_dump(exclude_none=True, exclude={"content"}),
-                 "content": None if m.content is None else _content_text(m.content)}
+                 "content": None if m.content is None else _content(m.content)}
                 for m in req.messages]
     ids = render(chat.tokenizer, messages, tools or None, parser, req.chat_template_kwargs,
                  chat.memory)
     kwargs: dict[str, Any] = {"input_ids": ids, "sampling_params": params,
                               "rid": f"{job_id}-0"}
+    images = [part.image_url.url for m in req.messages if isinstance(m.content, list)
+              for part in m.content if isinstance(part, ImageUrlPart)]
+    if images:
+        kwargs["image_data"] = images
     top = (req.top_logprobs or 0) if req.logprobs else None
     _add_logprobs(kwargs, top)
     _add_common(kwargs, req)
@@ -157,8 +162,15 @@ def _add_response_format(params: dict[str, Any], fmt: ResponseFormat | None) -> 
         params["json_schema"] = {"type": "object"}
 
 
-def _content_text(content: str | list) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+def _content(content: str | list) -> str | list[dict[str, str]]:
+    """A message's content as the chat template reads it: text parts joined, or, with images,
+    the parts (an image as {'type': 'image'}: the template writes its placeholder)."""
+    if isinstance(content, str):
+        return content
+    if not any(isinstance(part, ImageUrlPart) for part in content):
+        return "".join(part.text for part in content)
+    return [{"type": "image"} if isinstance(part, ImageUrlPart)
+            else {"type": "text", "text": part.text} for part in content]
 
 
 def _add_logprobs(kwargs: dict[str, Any], top: int | None) -> None:

@@ -113,6 +113,16 @@ class TextPart(Body):
     text: str
 
 
+class ImageUrl(Body):
+    url: str  # a data: URL (base64); nothing is fetched
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's size rules apply
+
+
+class ImageUrlPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
@@ -139,7 +149,7 @@ class MessageToolCall(Body):
 
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant only
     tool_call_id: Text | None = None  # tool only: the call it answers
@@ -291,7 +301,7 @@ _REFINED: dict[type, dict[str, Any]] = {
 # The native route: Engine.generate's arguments (the engine validates their contents), with
 # SGLang's names and fields (translated or refused in sglang_compat.py).
 GenerateBody = request_body(
-    "GenerateRequest", text=(str | list[str] | None, None), image_data=(Any, None),
+    "GenerateRequest", text=(str | list[str] | None, None),
     logprob_start_len=(Int | None, None), token_ids_logprob=(Any, None),
     lora_path=(str | list[str | None] | None, None), custom_logit_processor=(Any, None),
     return_text_in_logprobs=(bool | None, None))

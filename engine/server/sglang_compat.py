@@ -30,7 +30,7 @@ sglang_control = APIRouter()
 # Sampling keys SGLang's clients send that change nothing here (slime always sends them).
 _IGNORED_SAMPLING = ("spaces_between_special_tokens",)
 # Request fields SGLang's clients send as null or their default; anything else is refused.
-_NULL_ONLY = ("image_data", "token_ids_logprob", "custom_logit_processor")
+_NULL_ONLY = ("token_ids_logprob", "custom_logit_processor")
 
 
 class UpdateFromTensorRequest(Body):
