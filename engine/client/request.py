@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # Python >= 3.11; the annotations are never evaluated
     from typing import Self
 
 PROMPT_INPUTS = ("prompt", "input_ids", "messages")  # exactly one is given
-IMAGES = list  # image_data's per-prompt kind: a list of images (or one image)
+IMAGES = "images"  # image_data's per-prompt kind: a list of images (or one image)
 MAX_TOP_LOGPROBS = 100
 
 
@@ -273,9 +273,10 @@ def _conversation(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
-def _listed(value: Any, count: int, name: str, kind: type, single: bool = False) -> list[Any]:
+def _listed(value: Any, count: int, name: str, kind: type | str, single: bool = False
+            ) -> list[Any]:
     """A per-prompt field as a list of `count`: one value for all, or a list."""
-    if kind is IMAGES:
+    if kind == IMAGES:
         return _image_lists(value, count, single)
     if value is None or isinstance(value, kind):
         return [value] * count

@@ -350,3 +350,43 @@ def test_image_data_shapes():
     assert rows[0].image_data == [image, image] and rows[1].image_data is None
     with pytest.raises(ValueError, match="image_data must be a list of 2"):
         GenerateRequest(input_ids=[[1, 5], [1]], image_data=[image]).split()
+
+
+def test_prefill_decode_handoff_carries_the_images(vl):
+    path, hf, _ = vl
+    a, b = pictures([SIZES[0], SIZES[0]], seed=61)
+    params = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    kw = dict(dtype="float32", max_total_tokens=4096, attention_backend="torch")
+    with Engine(path, role="prefill", **kw) as pre, Engine(path, role="decode", **kw) as dec:
+        first = pre.prefill(input_ids=prompt(1), image_data=[a], sampling_params=params,
+                            return_logprob=True)
+        out = dec.generate_from_handoff(first, params, image_data=[a], return_logprob=True)
+        assert out["meta_info"]["kv_handoff"]["accepted"]
+        assert dec.get_load()["totals"]["encoder_runs"] == 0  # the KV came whole
+        assert_matches(out, hf_greedy(hf, path, prompt(1), [a]))
+        first = pre.prefill(input_ids=prompt(1), image_data=[a], sampling_params=params,
+                            return_logprob=True)
+        out = dec.generate_from_handoff(first, params, image_data=[b], return_logprob=True)
+        handoff = out["meta_info"]["kv_handoff"]
+        assert not handoff["accepted"] and "images differ" in handoff["reason"]
+        # the first token came from image a's prefill; the rest is computed here with b
+        ref = hf_greedy(hf, path, prompt(1), [b])
+        expanded = ref[2] + out["output_ids"][:1]
+        rest = hf_greedy(hf, path, prompt(1) + out["output_ids"][:1], [b], count=NEW - 1)
+        assert out["output_ids"][1:] == rest[0] and expanded[:-1] == ref[2]
+        assert np.allclose(logprobs(out)[1:], rest[1], atol=TOL, rtol=0)
+
+
+def test_a_bad_vision_tensor_refuses_the_whole_update(vl):
+    path, hf, eng = vl
+    images = pictures([SIZES[1]], seed=71)
+    before = greedy(eng, input_ids=prompt(1), image_data=images)
+    new = perturbed(hf, seed=2)
+    name = next(n for n in new if "visual" in n and n.endswith("weight"))
+    new[name] = new[name][..., :-1]  # the wrong shape
+    with pytest.raises(ValueError, match="visual"):
+        eng.update_weights_from_tensor(list(new.items()), weight_version="bad")
+    after = greedy(eng, input_ids=prompt(1), image_data=images)
+    assert after["output_ids"] == before["output_ids"]
+    assert logprobs(after) == logprobs(before)
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]

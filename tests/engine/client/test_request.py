@@ -70,20 +70,20 @@ def test_the_handoff_calls_and_the_routes_are_the_same_fields():
 
 def test_a_new_field_reaches_the_method_and_its_implementation():
     @dataclasses.dataclass(frozen=True)
-    class WithImages(GenerateRequest):
-        image_data: list | None = None
+    class WithVideo(GenerateRequest):
+        video_data: list | None = None
 
     class Client:
-        generate = request_method("generate", WithImages)
+        generate = request_method("generate", WithVideo)
 
-        def _generate(self, request: WithImages) -> WithImages:
+        def _generate(self, request: WithVideo) -> WithVideo:
             return request
 
-    assert [n for n, _, _ in params(Client.generate)] == [*FIELDS, "image_data"]
-    got = Client().generate("a cat", {"n": 2}, image_data=["cat.png"])
-    assert (got.prompt, got.sampling_params, got.image_data) == ("a cat", {"n": 2}, ["cat.png"])
-    with pytest.raises(TypeError, match="image"):
-        Client().generate("a cat", images=["cat.png"])
+    assert [n for n, _, _ in params(Client.generate)] == [*FIELDS, "video_data"]
+    got = Client().generate("a cat", {"n": 2}, video_data=["cat.mp4"])
+    assert (got.prompt, got.sampling_params, got.video_data) == ("a cat", {"n": 2}, ["cat.mp4"])
+    with pytest.raises(TypeError, match="videos"):
+        Client().generate("a cat", videos=["cat.mp4"])
     with pytest.raises(TypeError):
         Client().generate("a", {}, [1], "too many positional")
 
