@@ -23,6 +23,10 @@ returns every token's experts and the trainer's forward routes to them (rollout/
 `--task tools` (rollout/tasks.py): multi-digit arithmetic with a `calculator` tool called in the
 Hermes format, multi-turn through ToolLoop (tool results in context with loss mask 0); reward 1
 when the final answer holds the exact number, else --format-reward for a well-formed call.
+`--task shapes` (a vision-language checkpoint: Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each prompt holds
+a drawn image of one to four shapes and asks how many; the engine samples with the image, the
+trainer scores each sample with HF's VL model and the same image (rollout/vision_forward.py), and
+the push carries the vision tower's tensors with the rest.
 `--judge PATH` / `--reward-model PATH` (rollout/judges.py): a generative judge's verdict or a
 reward model's score replaces the task's reward (which stays in the info and the table as
 `task r`); each scorer is an engine of its own that the pushes never reach (engines.py); each
@@ -73,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="which groups a batch keeps (nonzero_std: rewards that differ)")
     p.add_argument("--task", choices=TASKS, default="addition",
                    help="addition: single-digit sums, one turn; tools: multi-digit arithmetic "
-                        "with a calculator tool, multi-turn (ToolLoop)")
+                        "with a calculator tool, multi-turn (ToolLoop); shapes: count the "
+                        "shapes drawn in an image (vision-language models)")
     p.add_argument("--max-turns", type=int, default=3,
                    help="--task tools: assistant turns per trajectory")
     p.add_argument("--format-reward", type=float, default=0.1,
@@ -190,11 +195,20 @@ def samples_table(batch: RolloutBatch, tokenizer: Any, count: int
                   ) -> list[tuple[str, str, float, str]]:
     rows = []
     for traj in batch.trajectories[:count]:
-        prompt = traj.row["messages"][-1]["content"] if "messages" in traj.row else ""
+        prompt = message_text(traj.row["messages"][-1]) if "messages" in traj.row else ""
         versions = ",".join(sorted({v for v in traj.versions if v is not None}, key=version_key))
         rows.append((prompt, tokenizer.decode(traj.response_ids, skip_special_tokens=True),
                      float(traj.reward), versions))
     return rows
+
+
+def message_text(message: dict) -> str:
+    """A chat message's text; a list of parts (text and images) reads "<image>" per image."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") if part.get("type") == "text" else "<image>"
+                   for part in content)
 
 
 def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
@@ -225,6 +239,7 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         fleet += ", routing replay" if args.routing_replay else ""
         fleet += ", exact logprobs (deterministic engine)" if args.exact_logprobs else ""
         fleet += f", tools task (<= {args.max_turns} turns)" if args.task == "tools" else ""
+        fleet += ", shapes task (images)" if args.task == "shapes" else ""
         fleet += f", judge {os.path.basename(args.judge)}" if args.judge else ""
         fleet += (f", reward model {os.path.basename(args.reward_model)}" if args.reward_model
                   else "")

@@ -132,3 +132,16 @@ def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job):
     assert max_dlogp(trainer, after) > 1e-3
     handle.push(trainer.named_weights(), "2")
     assert max_dlogp(trainer, rollouts(client, seed=1)) <= TOL
+
+
+def test_the_grpo_job_runs_the_shapes_task_on_a_vl_checkpoint(tmp_path):
+    from hotswap.rollout.grpo import parse_args, run
+
+    path = str(tmp_path / "model")
+    write_tiny_vl_model(path, "qwen2_5_vl")
+    out = run(parse_args(["--model", path, "--task", "shapes", "--steps", "2", "--prompts", "2",
+                          "--group-size", "3", "--filter", "none", "--max-new-tokens", "6",
+                          "--wandb-dir", str(tmp_path / "runs"), "--quiet"]))
+    assert [h["weight_version"] for h in out["history"]] == [0, 1]
+    for metrics in out["history"]:
+        assert metrics["mismatch/abs_diff"] <= TOL and metrics["sync/sent_mb"] > 0
