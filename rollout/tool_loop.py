@@ -7,6 +7,11 @@ with and without the new messages, and only the difference is tokenized. The con
 never re-rendered and the model's tokens are never re-tokenized (re-tokenizing drifts: verl saw
 PPO stop converging).
 
+A tool may show the model images: it returns a `ToolResult(text, images)`, the tool message then
+holds an image part per image and the text, the template renders a placeholder per image, and
+the next turn's request carries every image of the trajectory so far (`image_data`); the engine
+expands the placeholders and the trajectory takes its expanded ids (Trajectory.adopt_expanded).
+
 Finish reasons: "stop" (the model answered without a tool call), "length" (its last turn hit
 max_new_tokens without a call), "max_turns" (it still called tools after max_turns turns),
 "max_tokens" (the response, tool tokens included, reached max_tokens), "abort".
@@ -17,15 +22,32 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from hotswap.engine.parsers import ToolParser, tool_parser
-from hotswap.rollout.client import Completion, TokenClient
+from hotswap.rollout.client import Completion, TokenClient, row_images
 from hotswap.rollout.trajectory import Trajectory
 
 ToolCall = tuple[str, Any]  # (name, arguments) or ("", error message) for an unparsable call
 _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 _MARK = "\u2063MARK\u2063"
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool's result with images for the model to see (any form the engine's image_data
+    takes: PIL images, bytes, base64, data: URLs, paths), shown before the text."""
+
+    text: str
+    images: list[Any] = field(default_factory=list)
+
+    def message(self, role: str) -> dict[str, Any]:
+        """The tool message: plain text, or an image part per image and then the text."""
+        if not self.images:
+            return {"role": role, "content": self.text}
+        parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in self.images]
+        return {"role": role, "content": [*parts, {"type": "text", "text": self.text}]}
 
 
 def calls_from(parser: ToolParser) -> Callable[[str], list[ToolCall]]:
@@ -92,7 +114,8 @@ class ToolLoop:
                  parse: str | Callable[[str], list[ToolCall]] = "hermes",
                  tool_role: str = "tool", sessions: bool = False, **sampling: Any):
         """tools: name -> fn(**arguments) (or fn(arguments) when the arguments are not a dict);
-        its return value (str(), or JSON for dicts/lists) is the tool message. max_tokens: the
+        its return value (str(), or JSON for dicts/lists; a ToolResult for text with images)
+        is the tool message. max_tokens: the
         response budget, tool tokens included. parse: a parser of hotswap.engine.parsers by name
         (hermes, qwen, llama3, mistral) or a function of the turn's text. sessions: each
         trajectory holds a session of the engine (open_session), so its KV stays pinned while
@@ -116,8 +139,10 @@ class ToolLoop:
                   seed: int | None = None) -> list[Trajectory]:
         prompt = client.encode_row(row)
         deltas = self.deltas(client.tokenizer)
+        images = row_images(row) or []
         trajs = [Trajectory(prompt_ids=prompt, group_id=group_id, sample_idx=k, row=row,
-                            num_turns=0, messages=list(row.get("messages", [])))
+                            num_turns=0, messages=list(row.get("messages", [])),
+                            images=list(images))
                  for k in range(group_size)]
         params = {**self.sampling, **row.get("sampling", {})}
         if seed is not None:
@@ -142,20 +167,24 @@ class ToolLoop:
         room = min(self.max_tokens - len(t.response_ids) for t in active)
         turn_params = {**params, "max_new_tokens": max(1, min(per_turn, room))}
         if turn == 0 and not sessions:  # one request with n=G: the prompt is prefilled once
-            return client.generate(prompt, n=len(active), **turn_params)
+            return client.generate(prompt, n=len(active), image_data=active[0].images or None,
+                                   **turn_params)
         seeds = None
         if "seed" in turn_params:
             turn_params["seed"] = turn_params["seed"] * 7919 + turn
             if sessions:  # one request per trajectory: each its own seed
                 seeds = [turn_params["seed"] * 31 + t.sample_idx for t in active]
         session_ids = [sessions[id(t)] for t in active] if sessions else None
-        return client.generate([prompt + t.response_ids for t in active], n=1,
-                               session_id=session_ids, seeds=seeds, **turn_params)
+        images = [t.images or None for t in active]
+        return client.generate([t.prompt_ids + t.response_ids for t in active], n=1,
+                               session_id=session_ids, seeds=seeds,
+                               image_data=images if any(images) else None, **turn_params)
 
     def _after_turn(self, client: TokenClient, deltas: TemplateDeltas, traj: Trajectory,
                     comp: Completion, turn: int) -> bool:
         """Append this turn; run its tool calls. True when the conversation continues."""
         tok = client.tokenizer
+        traj.adopt_expanded(comp.prompt_ids, comp.images)
         traj.append_generated(comp.output_ids, comp.logprobs, comp.versions, comp.routed_experts)
         traj.num_turns = turn + 1
         content_ids = comp.output_ids[: len(comp.output_ids) - _closing_overlap(
@@ -176,18 +205,22 @@ class ToolLoop:
             return False
         traj.parse_errors += sum(1 for name, _ in calls if not name)
         traj.tool_calls += sum(1 for name, _ in calls if name)
-        results = [{"role": self.tool_role, "content": self.run_tool(name, args)}
-                   for name, args in calls]
+        outs = [self.run_tool(name, args) for name, args in calls]
+        results = [(out if isinstance(out, ToolResult) else ToolResult(out)).message(
+            self.tool_role) for out in outs]
+        # an image counts as its one placeholder here: the engine expands it next turn
         tool_ids = deltas.messages(results)
         if len(traj.response_ids) + len(tool_ids) >= self.max_tokens:
             traj.finish_reason = "max_tokens"
             return False
         traj.append_context(tool_ids)
         traj.messages += results
+        traj.images += [im for out in outs if isinstance(out, ToolResult) for im in out.images]
         return True
 
-    def run_tool(self, name: str, args: Any) -> str:
-        """The tool's result as text; any failure becomes an error message for the model."""
+    def run_tool(self, name: str, args: Any) -> str | ToolResult:
+        """The tool's result as text (or its ToolResult); any failure becomes an error message
+        for the model."""
         if not name:
             return f"Error: {args}"
         if name not in self.tools:
@@ -209,7 +242,7 @@ class ToolLoop:
         if "err" in box:
             return box["err"]
         out = box.get("out")
-        return out if isinstance(out, str) else json.dumps(out)
+        return out if isinstance(out, (str, ToolResult)) else json.dumps(out)
 
 
 def _closing_overlap(deltas: TemplateDeltas, generated: list[int]) -> int:

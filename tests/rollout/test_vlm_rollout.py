@@ -5,6 +5,7 @@ before and after a step whose weights (vision tower included) are pushed back.""
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 import numpy as np
@@ -15,7 +16,8 @@ from fixtures import write_tiny_vl_model
 from hotswap.rollout.client import TokenClient, row_images
 from hotswap.rollout.collect import collect
 from hotswap.rollout.engines import start_in_process
-from hotswap.rollout.tasks import SHAPES_QUESTION, make_task, shapes_rows
+from hotswap.rollout.tasks import SHAPES_QUESTION, draw_shapes, make_task, shapes_rows
+from hotswap.rollout.tool_loop import ToolLoop, ToolResult
 from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
 
@@ -132,6 +134,32 @@ def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job):
     assert max_dlogp(trainer, after) > 1e-3
     handle.push(trainer.named_weights(), "2")
     assert max_dlogp(trainer, rollouts(client, seed=1)) <= TOL
+
+
+def test_a_tools_images_reach_the_next_turn_and_the_trainer(job):
+    """A tool that returns an image (ToolResult): the tool message holds it, the next turn's
+    request carries it, the trajectory keeps the engine's expanded run (loss mask 0) and both
+    images, and the trainer scores the whole conversation as the engine did."""
+    _, client, trainer = job
+    picture = draw_shapes(3, 84, random.Random(5))
+    loop = ToolLoop({"look": lambda: ToolResult("a picture", [picture])}, max_turns=2,
+                    parse=lambda text: [("look", {})], max_new_tokens=5)
+    row = shapes_rows(1, seed=4)[0]
+    client.cancelled.clear()  # the last collect called its rollout off when it had its groups
+    trajs = loop.run_group(client, row, 2, 0, seed=3)
+    image_id = client.backend.model_config.image_token_id
+    for traj in trajs:
+        assert traj.num_turns == 2 and traj.finish_reason == "max_turns"
+        assert traj.images == [row_images(row)[0], picture]
+        assert traj.messages[2]["content"][0] == {"type": "image", "image": picture}
+        first, second = traj.image_meta
+        assert first["offset"] + first["tokens"] <= len(traj.prompt_ids) < second["offset"]
+        start = second["offset"] - len(traj.prompt_ids)
+        run = range(start, start + second["tokens"])
+        assert {traj.response_ids[i] for i in run} == {image_id}
+        assert {traj.loss_mask[i] for i in run} == {0} and traj.num_trainable == 10
+    batch = RolloutBatch.from_trajectories(trajs, [0.0, 0.0])
+    assert max_dlogp(trainer, batch) <= TOL
 
 
 def test_the_grpo_job_runs_the_shapes_task_on_a_vl_checkpoint(tmp_path):
