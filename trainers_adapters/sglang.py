@@ -12,8 +12,11 @@ Differences that a caller can see:
   the next call with flush_cache=True, at flush_cache(), or at continue_generation().
 - weight methods return SGLang's `(success, message)`; logprob entries are
   `(logprob, token_id, text | None)` as SGLang's.
-- SGLang features with no counterpart here (image_data, custom logit processors,
-  token_ids_logprob, CUDA-IPC `LocalSerializedTensor` payloads) raise ValueError naming them.
+- image_data goes to hotswap's image_data (vision-language models: one placeholder or the
+  expanded run per image in input_ids; any image form SGLang takes that is local: PIL images,
+  bytes, base64, data: URLs, paths; nothing is fetched).
+- SGLang features with no counterpart here (custom logit processors, token_ids_logprob,
+  CUDA-IPC `LocalSerializedTensor` payloads) raise ValueError naming them.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class Engine:
 
     def _kwargs(self, args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         unsupported = dict(args.pop("unsupported"))
-        for name in ("image_data", "token_ids_logprob", "custom_logit_processor"):
+        for name in ("token_ids_logprob", "custom_logit_processor"):
             if args[name] is not None:
                 unsupported[name] = args[name]
         if args["return_hidden_states"]:
@@ -105,6 +108,8 @@ class Engine:
                       top_logprobs_num=args["top_logprobs_num"] or 0,
                       lora_name=args["lora_path"], rid=args["rid"], stream=args["stream"],
                       return_routed_experts=args["return_routed_experts"])
+        if args["image_data"] is not None:
+            kwargs["image_data"] = args["image_data"]
         return kwargs, no_stop_trim
 
     # weights

@@ -13,6 +13,8 @@ commits them as one version. `sleep(level)` releases weights and KV; with
 `enable_sleep_mode=True` a host copy of the weights is kept and restored at `wake_up` (vLLM's
 level 1 offload), so after either level generation works at once; trainers that push weights
 after a level-2 sleep (TRL) overwrite them as usual.
+Images (vision-language models): a token prompt's `multi_modal_data={"image": image or [images]}`
+goes to hotswap's image_data; other modalities are refused.
 Not here: `llm.llm_engine` internals, `collective_rpc`, LoRARequest objects, beam search.
 """
 
@@ -150,9 +152,11 @@ class LLM:
         if len(params) != len(items):
             raise ValueError("sampling_params: one per prompt, or a single one")
         ids = [_prompt_ids(p, self.engine.tokenizer) for p in items]
+        images = [_prompt_images(p) for p in items]
+        extra = {"image_data": images} if any(images) else {}
         outs = self.engine.generate(
             None, [p.to_hotswap() for p in params], ids, return_logprob=True,
-            top_logprobs_num=max((p.logprobs or 0) for p in params))
+            top_logprobs_num=max((p.logprobs or 0) for p in params), **extra)
         outs = outs if isinstance(outs, list) else [outs]
         results, k = [], 0
         for item, prompt_ids, p in zip(items, ids, params):
@@ -200,12 +204,22 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        if prompt.get("multi_modal_data"):
-            raise ValueError("multi_modal_data is not supported")
         return list(prompt["prompt_token_ids"])
     if isinstance(prompt, dict) and "prompt" in prompt:
         return list(tokenizer.encode(prompt["prompt"]))
     raise ValueError("a prompt is a str, {'prompt_token_ids': [...]} or {'prompt': str}")
+
+
+def _prompt_images(prompt: Any) -> list[Any] | None:
+    """A prompt's multi_modal_data images ({"image": one image or a list}); None without."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if not data:
+        return None
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, not "
+                         f"{sorted(set(data) - {'image'})}")
+    images = data["image"]
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def completion_output(index: int, out: dict, params: SamplingParams) -> CompletionOutput:

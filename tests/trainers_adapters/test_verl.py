@@ -128,5 +128,7 @@ def test_control_calls_verl_makes(server):
     assert host == "127.0.0.1" and port > 0
     with pytest.raises(ray.exceptions.RayTaskError, match="hybrid"):
         ray.get(server.wake_up.remote())
-    with pytest.raises(ray.exceptions.RayTaskError, match="image"):
-        ray.get(server.generate.remote(IDS, dict(SAMPLING), "r6", image_data=["x"]))
+    with pytest.raises(ray.exceptions.RayTaskError, match="video"):
+        ray.get(server.generate.remote(IDS, dict(SAMPLING), "r6", video_data=["x"]))
+    with pytest.raises(ray.exceptions.RayTaskError, match="text-only model"):  # passed through
+        ray.get(server.generate.remote(IDS, dict(SAMPLING), "r7", image_data=["x"]))

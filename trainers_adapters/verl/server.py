@@ -12,6 +12,9 @@ It is `hotswap.fleet.EngineReplica` with those methods, async (Ray runs them on 
 the blocking engine calls in threads), and it needs no verl to import: `TokenOutput` is verl's
 when verl is importable. Every output reports the weight versions of its own tokens, so verl's
 `min_global_steps`/`max_global_steps` are exact, not the server's last `set_global_steps`.
+A vision-language model takes the agent loop's `image_data` (its images, PIL as verl's
+processor gives them) with prompt ids that hold the processor's expanded image runs, or one
+placeholder per image; video and audio are refused.
 """
 
 from __future__ import annotations
@@ -80,12 +83,14 @@ class HotswapServer(EngineReplica):
     async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str,
                        image_data: Any = None, video_data: Any = None, audio_data: Any = None,
                        mm_processor_kwargs: Any = None) -> Any:
-        if image_data or video_data or audio_data or mm_processor_kwargs:
-            raise ValueError("hotswap serves text models: image, video and audio inputs are "
-                             "refused")
+        if video_data or audio_data or mm_processor_kwargs:
+            raise ValueError("hotswap takes images only: video, audio and mm_processor_kwargs "
+                             "are refused")
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params, return_logprob = self._sampling(ids, sampling_params)
-        out = await self.engine.async_generate(None, params, ids, return_logprob=return_logprob)
+        images = {"image_data": list(image_data)} if image_data else {}
+        out = await self.engine.async_generate(None, params, ids, return_logprob=return_logprob,
+                                               **images)
         return self._token_output(out, return_logprob)
 
     def _sampling(self, ids: list[int], sampling_params: dict[str, Any]) -> tuple[dict, bool]:
