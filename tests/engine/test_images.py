@@ -20,6 +20,7 @@ from fixtures import serve, write_tiny_vl_model
 from PIL import Image
 
 from hotswap.engine import Engine
+from hotswap.engine.client.remote import RemoteEngine
 from hotswap.engine.models.qwen_vl import expand_image_tokens
 from hotswap.engine.multimodal.image_processing import ImageProcessorConfig, process_images
 
@@ -323,6 +324,9 @@ def test_http_routes_take_images_and_refuse_bad_ones(vl):
         native = http.post("/generate", json={"input_ids": prompt(1), "image_data": [
             data_url(image)], "sampling_params": params, "return_logprob": True}).json()
         assert native["output_ids"] == ref[0]  # still serving
+        remote = RemoteEngine(srv.url).generate(input_ids=prompt(1), image_data=[image],
+                                                sampling_params=params, return_logprob=True)
+        assert_matches(remote, ref)  # a PIL image travels as a PNG data URL
 
 
 def test_remote_body_carries_images_as_strings(tmp_path):
