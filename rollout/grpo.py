@@ -56,6 +56,7 @@ from hotswap.rollout.judges import Combined, judge_reward, model_reward
 from hotswap.rollout.plot import draw
 from hotswap.rollout.tasks import TASKS, Task, make_task, tool_score
 from hotswap.rollout.tasks import addition_rows as addition_rows  # examples and bench use it
+from hotswap.rollout.tasks import shapes_rows as shapes_rows  # bench/vlm.py uses it
 from hotswap.rollout.tracking import Tracker, batch_metrics, is_terminal, tool_metrics
 from hotswap.rollout.trainer import Trainer
 from hotswap.rollout.trajectory import RolloutBatch
