@@ -61,6 +61,36 @@ def test_shapes_rows_are_deterministic_per_seed_and_their_counts_are_right():
         assert message["content"][1]["text"] == SHAPES_QUESTION
 
 
+class PausedFirst:
+    """A backend that records each call's image_data; its first answer is an abort for a
+    pause after two tokens, the resubmission runs to its length."""
+
+    def __init__(self):
+        self.images: list = []
+
+    def get_weight_version(self) -> str:
+        return "0"
+
+    def generate(self, input_ids, sampling_params, return_logprob, rid, image_data=None, **_):
+        self.images.append(image_data)
+        first = len(self.images) == 1
+        count = 2 if first else sampling_params["max_new_tokens"]
+        finish = {"type": "abort", "reason": "paused"} if first else {"type": "length"}
+        return [{"text": "", "output_ids": [7] * count, "meta_info": {
+            "finish_reason": finish, "output_token_logprobs": [[-1.0, 7]] * count,
+            "weight_versions": [{"version": "0", "start": 0, "end": count}],
+            "prompt_ids": [1, 5, 5, 2], "images": [{"offset": 1, "tokens": 2}]}}]
+
+
+def test_a_sample_resubmitted_after_a_pause_goes_with_its_images():
+    backend, image = PausedFirst(), draw_shapes(1, 56, random.Random(0))
+    (comp,) = TokenClient(backend, sampling={"max_new_tokens": 6}).generate(
+        [1, 5, 2], image_data=[image])
+    assert comp.resubmits == 1 and len(comp.output_ids) == 6
+    assert backend.images == [[[image]], [[image]]]  # per prompt: its list of images
+    assert comp.prompt_ids == [1, 5, 5, 2] and comp.images == [{"offset": 1, "tokens": 2}]
+
+
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def job(request, tmp_path_factory):
     """The GRPO job's pieces on a tiny VL checkpoint: engine (in process), client, trainer."""
