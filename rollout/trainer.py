@@ -256,7 +256,11 @@ class Trainer:
         self.exact = ExactForward(self.model) if exact else None
 
     def units(self, batch: RolloutBatch) -> list[list[int]]:
-        """The packed sequences of a batch: rows sharing a prompt, split where that is cheaper."""
+        """The packed sequences of a batch: rows sharing a prompt, split where that is cheaper.
+        A vision-language model's are its rows, one sequence each (rollout/vision_forward.py),
+        so that --micro-positions bounds what its forwards keep."""
+        if self.vision is not None:
+            return [[i] for unit in prompt_units(batch) for i in unit]
         return [part for unit in prompt_units(batch)
                 for part in split_unit(batch, unit, self.pack_width)]
 
@@ -267,7 +271,8 @@ class Trainer:
                           route_stats: dict[str, int]) -> torch.Tensor:
         """[rows of `units`, r_len] log p of the trainable tokens, 0 elsewhere."""
         if self.vision is not None:
-            return self.vision.response_logprobs(batch, units, r_len, self.temperature)
+            return self.vision.response_logprobs(batch, [i for unit in units for i in unit],
+                                                 r_len, self.temperature)
         packed = pack(batch, units, self.pad_id, self.model.dtype)
         if self.exact is not None:
             seqs, index = segment_sequences(packed.input_ids, packed.position_ids,

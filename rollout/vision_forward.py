@@ -60,10 +60,10 @@ class VisionScorer:
                                  f"{seen['hash'][:12]})")
         return processed
 
-    def row_logprobs(self, batch: RolloutBatch, row: int, temperature: float,
-                     images: list[ProcessedImage]) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_logprobs(self, batch: RolloutBatch, row: int, temperature: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(columns, log p) of one row's trainable response tokens: one forward over the
-        prompt and the response but its last token."""
+        prompt and the response but its last token, with the row's images."""
         prompt, resp = batch.prompt_ids[row], batch.response_ids[row]
         cols = torch.tensor([t for t, m in enumerate(batch.loss_mask[row]) if m],
                             dtype=torch.long)
@@ -71,6 +71,7 @@ class VisionScorer:
             return cols, torch.zeros(0)
         ids = torch.tensor([prompt + resp[:-1]], dtype=torch.long)
         inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        images = self.images(batch, row)
         if images:
             weight = next(self.model.parameters())
             inputs["pixel_values"] = torch.cat([im.pixel_values for im in images]).to(
@@ -85,17 +86,11 @@ class VisionScorer:
         targets = torch.tensor([resp[t] for t in cols.tolist()], dtype=torch.long)
         return cols, torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
 
-    def response_logprobs(self, batch: RolloutBatch, units: list[list[int]], r_len: int,
+    def response_logprobs(self, batch: RolloutBatch, rows: list[int], r_len: int,
                           temperature: float) -> torch.Tensor:
-        """[rows of `units`, r_len] log p of the trainable tokens, 0 elsewhere; a unit's rows
-        share their prompt and images, which are preprocessed once for it."""
-        rows = [i for unit in units for i in unit]
+        """[len(rows), r_len] log p of the rows' trainable tokens, 0 elsewhere."""
         out = torch.zeros((len(rows), r_len))
-        k = 0
-        for unit in units:
-            images = self.images(batch, unit[0])
-            for i in unit:
-                cols, logp = self.row_logprobs(batch, i, temperature, images)
-                out = out.index_put((torch.full_like(cols, k), cols), logp)
-                k += 1
+        for k, i in enumerate(rows):
+            cols, logp = self.row_logprobs(batch, i, temperature)
+            out = out.index_put((torch.full_like(cols, k), cols), logp)
         return out
