@@ -5,7 +5,9 @@ before and after a step whose weights (vision tower included) are pushed back.""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from collections import deque
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 from fixtures import write_tiny_vl_model
 
+from hotswap.engine import Engine
 from hotswap.rollout.client import TokenClient, row_images
 from hotswap.rollout.collect import collect
 from hotswap.rollout.engines import start_in_process
@@ -101,8 +104,18 @@ def job(request, tmp_path_factory):
                          sampling={"temperature": 1.0, "max_new_tokens": 8})
     trainer = Trainer(path, lr=1e-2, clip=0.2, temperature=1.0, micro_batch=64,
                       dtype="float32", pad_id=client.tokenizer.pad_token_id or 0)
+    trainer.path = path
     yield handle, client, trainer
     handle.close()
+
+
+def saved_checkpoint(trainer: Trainer, out: str) -> str:
+    """The trainer's weights with the original checkpoint's other files, as a folder."""
+    for name in os.listdir(trainer.path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(trainer.path, name), out)
+    trainer.model.save_pretrained(out)
+    return out
 
 
 def varied_reward(traj) -> float:
@@ -115,6 +128,12 @@ def rollouts(client: TokenClient, seed: int) -> RolloutBatch:
     task = make_task("shapes", max_new_tokens=8)
     return collect(client, task.loop, task.rows(3, seed), group_size=3, reward=varied_reward,
                    seed=seed)
+
+
+def by_sample(batch: RolloutBatch) -> dict[tuple[int, int], tuple[list[int], list[float]]]:
+    """(row, sample) -> (response ids, engine logprobs): groups join a batch as they finish."""
+    return {(g, k): (ids, lps) for g, k, ids, lps in zip(
+        batch.group_ids, batch.sample_idx, batch.response_ids, batch.behavior_logprobs)}
 
 
 def max_dlogp(trainer: Trainer, batch: RolloutBatch) -> float:
@@ -143,8 +162,9 @@ def test_the_trainer_scores_the_engines_image_rollouts_as_the_engine_did(job):
     assert max_dlogp(trainer, batch) <= TOL
 
 
-def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job):
-    """One step, pushed: the engine samples from the trainer's weights. Then the vision tower
+def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job, tmp_path):
+    """One step, pushed: the engine samples from the trainer's weights, as a fresh engine
+    loaded from them does. Then the vision tower
     alone is perturbed: the trainer then disagrees with the engine's last batch, and agrees
     with the engine again once pushed (the push carries the tower's tensors)."""
     handle, client, trainer = job
@@ -157,6 +177,18 @@ def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job):
     after = rollouts(client, seed=1)
     assert after.behavior_logprobs != before.behavior_logprobs
     assert max_dlogp(trainer, after) <= TOL
+    fresh = Engine(saved_checkpoint(trainer, str(tmp_path)), dtype="float32", seed=0,
+                   max_total_tokens=4096)
+    try:  # the pushed engine samples as one loaded from the trainer's weights does
+        again = rollouts(TokenClient(fresh, tokenizer=client.tokenizer,
+                                     sampling=dict(client.sampling)), seed=1)
+    finally:
+        fresh.shutdown()
+    fresh_samples, live_samples = by_sample(again), by_sample(after)
+    assert fresh_samples.keys() == live_samples.keys()
+    for key, (ids, logprobs) in fresh_samples.items():
+        assert ids == live_samples[key][0]
+        assert max(abs(a - b) for a, b in zip(logprobs, live_samples[key][1])) <= TOL
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if ".visual." in name and p.dim() >= 2:
