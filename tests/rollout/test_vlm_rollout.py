@@ -96,7 +96,8 @@ def test_a_sample_resubmitted_after_a_pause_goes_with_its_images():
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def job(request, tmp_path_factory):
-    """The GRPO job's pieces on a tiny VL checkpoint: engine (in process), client, trainer."""
+    """The GRPO job's pieces on a tiny VL checkpoint: engine (in process), client, trainer,
+    and the checkpoint's folder."""
     path = str(tmp_path_factory.mktemp(request.param))
     write_tiny_vl_model(path, request.param)
     handle = start_in_process(path, "float32", 0, 8192, {})
@@ -104,16 +105,15 @@ def job(request, tmp_path_factory):
                          sampling={"temperature": 1.0, "max_new_tokens": 8})
     trainer = Trainer(path, lr=1e-2, clip=0.2, temperature=1.0, micro_batch=64,
                       dtype="float32", pad_id=client.tokenizer.pad_token_id or 0)
-    trainer.path = path
-    yield handle, client, trainer
+    yield handle, client, trainer, path
     handle.close()
 
 
-def saved_checkpoint(trainer: Trainer, out: str) -> str:
-    """The trainer's weights with the original checkpoint's other files, as a folder."""
-    for name in os.listdir(trainer.path):
+def saved_checkpoint(trainer: Trainer, path: str, out: str) -> str:
+    """The trainer's weights with the other files of the checkpoint at `path`, as a folder."""
+    for name in os.listdir(path):
         if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(trainer.path, name), out)
+            shutil.copy(os.path.join(path, name), out)
     trainer.model.save_pretrained(out)
     return out
 
@@ -151,7 +151,7 @@ def max_dlogp(trainer: Trainer, batch: RolloutBatch) -> float:
 
 
 def test_the_trainer_scores_the_engines_image_rollouts_as_the_engine_did(job):
-    _, client, trainer = job
+    _, client, trainer, _ = job
     batch = rollouts(client, seed=0)
     assert len(batch) == 9 and all(len(r) == 8 for r in batch.response_ids)
     for prompt, images, meta in zip(batch.prompt_ids, batch.images, batch.image_meta):
@@ -167,7 +167,7 @@ def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job, tmp_path):
     loaded from them does. Then the vision tower
     alone is perturbed: the trainer then disagrees with the engine's last batch, and agrees
     with the engine again once pushed (the push carries the tower's tensors)."""
-    handle, client, trainer = job
+    handle, client, trainer, path = job
     before = rollouts(client, seed=1)
     metrics = trainer.step(before)
     assert metrics["mismatch/abs_diff"] <= TOL and metrics["train/grad_norm"] > 0
@@ -177,7 +177,7 @@ def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job, tmp_path):
     after = rollouts(client, seed=1)
     assert after.behavior_logprobs != before.behavior_logprobs
     assert max_dlogp(trainer, after) <= TOL
-    fresh = Engine(saved_checkpoint(trainer, str(tmp_path)), dtype="float32", seed=0,
+    fresh = Engine(saved_checkpoint(trainer, path, str(tmp_path)), dtype="float32", seed=0,
                    max_total_tokens=4096)
     try:  # the pushed engine samples as one loaded from the trainer's weights does
         again = rollouts(TokenClient(fresh, tokenizer=client.tokenizer,
@@ -202,7 +202,7 @@ def test_a_tools_images_reach_the_next_turn_and_the_trainer(job):
     """A tool that returns an image (ToolResult): the tool message holds it, the next turn's
     request carries it, the trajectory keeps the engine's expanded run (loss mask 0) and both
     images, and the trainer scores the whole conversation as the engine did."""
-    _, client, trainer = job
+    _, client, trainer, _ = job
     picture = draw_shapes(3, 84, random.Random(5))
     loop = ToolLoop({"look": lambda: ToolResult("a picture", [picture])}, max_turns=2,
                     parse=lambda text: [("look", {})], max_new_tokens=5)
