@@ -32,7 +32,7 @@ class SingleTurn:
             # with images the engine's expanded prompt, which is what the trainer must score
             traj = Trajectory(prompt_ids=comp.prompt_ids or prompt, finish_reason=comp.finish_type,
                               group_id=group_id, sample_idx=k, row=row, text=comp.text,
-                              images=images or [], image_meta=comp.images)
+                              images=images or [], image_meta=comp.image_meta)
             traj.append_generated(comp.output_ids, comp.logprobs, comp.versions,
                                  comp.routed_experts)
             trajs.append(traj)

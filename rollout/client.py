@@ -44,7 +44,7 @@ class Completion:
     # Prompts with images: the expanded prompt ids the model saw (one placeholder run per image)
     # and per image {"grid_thw", "hash", "offset", "tokens"} (meta_info's prompt_ids, images)
     prompt_ids: list[int] | None = None
-    images: list[dict[str, Any]] = field(default_factory=list)
+    image_meta: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def finish_type(self) -> str:
@@ -219,7 +219,7 @@ class TokenClient:
                           spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
                           spec_accepted_tokens=int(meta.get("spec_accepted_tokens", 0)),
                           prompt_ids=meta.get("prompt_ids"),
-                          images=list(meta.get("images", [])))
+                          image_meta=list(meta.get("images", [])))
 
     def _finish_interrupted(self, prompt: list[int], comp: Completion, params: dict,
                             images: list | None = None) -> Completion:
@@ -240,7 +240,7 @@ class TokenClient:
                               spec_verify_ct=comp.spec_verify_ct + more.spec_verify_ct,
                               spec_accepted_tokens=(comp.spec_accepted_tokens
                                                     + more.spec_accepted_tokens),
-                              prompt_ids=comp.prompt_ids, images=comp.images)
+                              prompt_ids=comp.prompt_ids, image_meta=comp.image_meta)
         if self._should_resubmit(comp):  # the budget ran out exactly at the interruption
             comp.finish_reason = {"type": "length", "matched": None, "message": None}
         return comp

@@ -115,9 +115,9 @@ class ToolLoop:
                  tool_role: str = "tool", sessions: bool = False, **sampling: Any):
         """tools: name -> fn(**arguments) (or fn(arguments) when the arguments are not a dict);
         its return value (str(), or JSON for dicts/lists; a ToolResult for text with images)
-        is the tool message. max_tokens: the
-        response budget, tool tokens included. parse: a parser of hotswap.engine.parsers by name
-        (hermes, qwen, llama3, mistral) or a function of the turn's text. sessions: each
+        is the tool message. max_tokens: the response budget, tool tokens included. parse: a
+        parser of hotswap.engine.parsers by name (hermes, qwen, llama3, mistral) or a function
+        of the turn's text. sessions: each
         trajectory holds a session of the engine (open_session), so its KV stays pinned while
         its tools run; the first turn then sends one request per trajectory instead of n=G.
         sampling: per-turn params (max_new_tokens ...)."""
@@ -184,7 +184,7 @@ class ToolLoop:
                     comp: Completion, turn: int) -> bool:
         """Append this turn; run its tool calls. True when the conversation continues."""
         tok = client.tokenizer
-        traj.adopt_expanded(comp.prompt_ids, comp.images)
+        traj.adopt_expanded(comp.prompt_ids, comp.image_meta)
         traj.append_generated(comp.output_ids, comp.logprobs, comp.versions, comp.routed_experts)
         traj.num_turns = turn + 1
         content_ids = comp.output_ids[: len(comp.output_ids) - _closing_overlap(

@@ -91,7 +91,7 @@ def test_a_sample_resubmitted_after_a_pause_goes_with_its_images():
         [1, 5, 2], image_data=[image])
     assert comp.resubmits == 1 and len(comp.output_ids) == 6
     assert backend.images == [[[image]], [[image]]]  # per prompt: its list of images
-    assert comp.prompt_ids == [1, 5, 5, 2] and comp.images == [{"offset": 1, "tokens": 2}]
+    assert comp.prompt_ids == [1, 5, 5, 2] and comp.image_meta == [{"offset": 1, "tokens": 2}]
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
