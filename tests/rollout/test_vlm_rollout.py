@@ -160,6 +160,9 @@ def test_the_trainer_scores_the_engines_image_rollouts_as_the_engine_did(job):
         run = prompt[image["offset"]: image["offset"] + image["tokens"]]
         assert set(run) == {client.backend.model_config.image_token_id}
     assert max_dlogp(trainer, batch) <= TOL
+    batch.images[0] = [draw_shapes(1, 56, random.Random(9))]  # not the pixels the engine saw
+    with pytest.raises(ValueError, match="differs from the engine's"):
+        max_dlogp(trainer, batch)
 
 
 def test_a_step_and_a_push_keep_the_trainer_and_the_engine_equal(job, tmp_path):
