@@ -52,6 +52,8 @@ class VisionScorer:
         (grid and content hash), so a trainer never scores other pixels than the engine saw."""
         processed = process_images(batch.images[row], self.processor)
         meta = batch.image_meta[row] if row < len(batch.image_meta) else []
+        if meta and len(meta) != len(processed):
+            raise ValueError(f"row {row}: {len(processed)} images, the engine saw {len(meta)}")
         for image, seen in zip(processed, meta):
             if list(image.grid_thw) != list(seen["grid_thw"]) or image.hash != seen["hash"]:
                 raise ValueError(f"row {row}: image {seen['offset']}: the trainer's "
