@@ -17,7 +17,7 @@ PACKAGES = {"engine": "hotswap.engine", "weight_sync": "hotswap.weight_sync",
 
 E = "hotswap.engine"
 _EXECUTOR_SIDE = (f"{E}.executor", f"{E}.attention", f"{E}.layers", f"{E}.models", f"{E}.lora",
-                  f"{E}.grammar", f"{E}.distributed", f"{E}.speculative")
+                  f"{E}.grammar", f"{E}.distributed", f"{E}.speculative", f"{E}.multimodal")
 # The interface's rules (pause modes, MAX_N) sit in client.protocol and its requests in
 # client.request, which import nothing else.
 _BASE = (f"{E}.config", f"{E}.cpu_features", f"{E}.errors", f"{E}.core",

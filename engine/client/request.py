@@ -14,14 +14,18 @@ the same for update_weights_from_distributed and prepare_weights_from_distribute
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import inspect
+import io
+import os
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hotswap.engine.multimodal.image_processing import image_json
+from PIL import Image
 
 if TYPE_CHECKING:  # Python >= 3.11; the annotations are never evaluated
     from typing import Self
@@ -29,6 +33,7 @@ if TYPE_CHECKING:  # Python >= 3.11; the annotations are never evaluated
 PROMPT_INPUTS = ("prompt", "input_ids", "messages")  # exactly one is given
 IMAGES = "images"  # image_data's per-prompt kind: a list of images (or one image)
 MAX_TOP_LOGPROBS = 100
+PNG_MODES = ("1", "L", "LA", "I", "P", "RGB", "RGBA")  # what PNG stores as it is
 
 
 def _per_prompt(kind: type) -> Any:
@@ -347,3 +352,63 @@ def request_method(name: str, request_type: type[Request] = GenerateRequest, *,
     method.__doc__ = inspect.cleandoc(doc) if doc else None
     method.__signature__ = signature  # type: ignore[attr-defined]
     return method
+
+
+# The forms an image input takes (image_data, chat image parts): read here, decoded and
+# preprocessed by the engine (engine/multimodal/image_processing.py).
+
+def image_json(data: Any) -> str:
+    """An image input as a string that travels as JSON to another engine: a PIL image as a
+    PNG data: URL (lossless: it hashes the same there), bytes and local files as base64,
+    other strings (data: URLs, base64) as they are."""
+    if isinstance(data, Image.Image):
+        buffer = io.BytesIO()
+        (data if data.mode in PNG_MODES else data.convert("RGB")).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    if isinstance(data, str) and not os.path.isfile(data.removeprefix("file://")):
+        return data
+    return base64.b64encode(image_bytes(data, "image_data")).decode()
+
+
+def image_bytes(data: Any, field: str) -> bytes:
+    """The encoded bytes of a non-PIL image input (ValueError naming `field`)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, os.PathLike):
+        return _read_file(os.fspath(data), field)
+    if isinstance(data, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
+        if data.get("bytes"):
+            return bytes(data["bytes"])
+        if data.get("path"):
+            return _read_file(data["path"], field)
+        raise ValueError(f"{field}: an image dict needs 'bytes' or 'path'")
+    if not isinstance(data, str):
+        raise ValueError(f"{field}: an image must be a PIL image, bytes, a base64 string, a "
+                         f"data: URL or a local path, not {type(data).__name__}")
+    if data.startswith("data:"):
+        head, sep, payload = data.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ValueError(f"{field}: a data: URL must be base64 (data:image/...;base64,...)")
+        return _b64decode(payload, field)
+    if data.startswith(("http://", "https://")):
+        raise ValueError(f"{field}: image URLs are not fetched; send the image's bytes, base64 "
+                         "or a data: URL")
+    path = data.removeprefix("file://")
+    if os.path.isfile(path):
+        return _read_file(path, field)
+    return _b64decode(data, field)
+
+
+def _b64decode(text: str, field: str) -> bytes:
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{field}: neither a local file nor valid base64 ({exc})") from exc
+
+
+def _read_file(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read image file {path!r} ({exc})") from exc

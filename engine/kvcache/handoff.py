@@ -142,11 +142,15 @@ class KVHandoff:
     def namespace_fields(self) -> tuple[str, str | None, int, str | None]:
         return (self.weight_version, self.adapter_name, self.adapter_version, self.cache_salt)
 
-    def refusal(self, ns: Namespace, image_hashes: list[str]) -> str | None:
-        """Why a decode engine serving `ns` for this request (whose prompt holds the images
-        of `image_hashes`) must not use this KV, or None."""
+    def image_refusal(self, image_hashes: list[str]) -> str | None:
+        """Why a request whose prompt holds the images of `image_hashes` must not use this KV,
+        or None."""
         if image_hashes != self.image_hashes:
             return "the prompt's images differ from those the KV was computed with"
+        return None
+
+    def refusal(self, ns: Namespace) -> str | None:
+        """Why a decode engine serving `ns` for this request must not use this KV, or None."""
         served = (ns.weight_version, ns.adapter_name, ns.adapter_version, ns.cache_salt)
         if served == self.namespace_fields:
             return None

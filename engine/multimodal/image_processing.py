@@ -12,8 +12,6 @@ merge within min/max pixels (bicubic), rescale, normalize, then one row per patc
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import json
@@ -26,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from hotswap.engine.client.request import image_bytes
+
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, the processor's defaults.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -33,7 +33,6 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # own decompression-bomb error starts at twice its MAX_IMAGE_PIXELS, about 179M).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 MAX_ASPECT_RATIO = 200  # smart_resize's limit
-PNG_MODES = ("1", "L", "LA", "I", "P", "RGB", "RGBA")  # what PNG stores as it is
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def load_image(data: Any, field: str = "image_data",
     if isinstance(data, Image.Image):
         image = data
     else:
-        raw = _image_bytes(data, field)
+        raw = image_bytes(data, field)
         if not raw:
             raise ValueError(f"{field}: the image is empty (no bytes)")
         try:
@@ -139,63 +138,6 @@ def load_image(data: Any, field: str = "image_data",
     except (OSError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ValueError(f"{field}: not a decodable image ({exc})") from exc
     return image
-
-
-def image_json(data: Any) -> str:
-    """An image input as a string that travels as JSON to another engine: a PIL image as a
-    PNG data: URL (lossless: it hashes the same there), bytes and local files as base64,
-    other strings (data: URLs, base64) as they are."""
-    if isinstance(data, Image.Image):
-        buffer = io.BytesIO()
-        (data if data.mode in PNG_MODES else data.convert("RGB")).save(buffer, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    if isinstance(data, str) and not os.path.isfile(data.removeprefix("file://")):
-        return data
-    return base64.b64encode(_image_bytes(data, "image_data")).decode()
-
-
-def _image_bytes(data: Any, field: str) -> bytes:
-    """The encoded bytes of a non-PIL image input."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    if isinstance(data, os.PathLike):
-        return _read_file(os.fspath(data), field)
-    if isinstance(data, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
-        if data.get("bytes"):
-            return bytes(data["bytes"])
-        if data.get("path"):
-            return _read_file(data["path"], field)
-        raise ValueError(f"{field}: an image dict needs 'bytes' or 'path'")
-    if not isinstance(data, str):
-        raise ValueError(f"{field}: an image must be a PIL image, bytes, a base64 string, a "
-                         f"data: URL or a local path, not {type(data).__name__}")
-    if data.startswith("data:"):
-        head, sep, payload = data.partition(",")
-        if not sep or not head.endswith(";base64"):
-            raise ValueError(f"{field}: a data: URL must be base64 (data:image/...;base64,...)")
-        return _b64decode(payload, field)
-    if data.startswith(("http://", "https://")):
-        raise ValueError(f"{field}: image URLs are not fetched; send the image's bytes, base64 "
-                         "or a data: URL")
-    path = data.removeprefix("file://")
-    if os.path.isfile(path):
-        return _read_file(path, field)
-    return _b64decode(data, field)
-
-
-def _b64decode(text: str, field: str) -> bytes:
-    try:
-        return base64.b64decode("".join(text.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{field}: neither a local file nor valid base64 ({exc})") from exc
-
-
-def _read_file(path: str, field: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ValueError(f"{field}: cannot read image file {path!r} ({exc})") from exc
 
 
 def image_hash(image: Image.Image) -> str:

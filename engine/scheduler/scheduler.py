@@ -244,7 +244,7 @@ class Scheduler(SchedulerControl, StepOutputs):
                   "receive_s": incoming.receive_s}
         try:
             hashes = [] if req.images is None else req.images.hashes
-            reason = incoming.error or handoff.refusal(ns, hashes)
+            reason = incoming.error or handoff.refusal(ns) or handoff.image_refusal(hashes)
             if reason is not None:
                 raise HandoffRefused(reason)
             pool = self.runner.kv_pool

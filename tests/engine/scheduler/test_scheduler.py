@@ -107,7 +107,7 @@ def test_step_peers_find_the_longest_shared_prefix_of_all_peers():
         assert all(peer.namespace == ns for peer, _ in found)
         assert max((common_prefix_len(ids, tokens) for _, tokens in found), default=0) == scan
         computed = rng.randrange(0, len(ids) + 1)  # a chunk may compute part of its tokens
-        peers.add(SimpleNamespace(fill_ids=ids, kv_len=computed, namespace=ns))
+        peers.add(SimpleNamespace(cache_ids=ids, kv_len=computed, namespace=ns))
         everyone.append((ns, ids[:computed]))
 
 
