@@ -2,14 +2,16 @@
 key a request is routed by.
 
 Keys are the request's prompt as the client sent it: text (characters), token ids, or chat
-messages in canonical JSON; a long common prefix of keys means a long common prefix of tokens,
-so the server that served a key holds its prefix's KV (until that server evicts it, which the
-router cannot see: the tree is a hint, never a promise). Memory is bounded: past `max_items`
-key elements the least recently routed keys are forgotten.
+messages in canonical JSON, after its images' digests where it has some; a long common prefix
+of keys means a long common prefix of tokens, so the server that served a key holds its
+prefix's KV (until that server evicts it, which the router cannot see: the tree is a hint,
+never a promise). Memory is bounded: past `max_items` key elements the least recently routed
+keys are forgotten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -122,13 +124,31 @@ def affinity_key(path: str, body: dict[str, Any]) -> Key:
     for name in ("prompt", "text", "input", "query"):  # "input": vLLM's; "query": OpenRLHF's
         if prompt is None:
             prompt = body.get(name)
+    images = body.get("image_data")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]
+        images = images[0] if isinstance(images, list) and images else None
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    # A prompt's images lead its key: requests with other images share no KV past the first
+    # image (the engine keys image tokens by content), those with the same images do.
     if isinstance(prompt, str):
-        return prompt
+        return "".join(f"\0{_digest(image)}\0" for image in images) + prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return tuple(prompt)
+        return tuple(-1 - int(_digest(image)[:15], 16) for image in images) + tuple(prompt)
     return ""
+
+
+def _digest(image: Any) -> str:
+    """A cheap identity of an image as sent (the same encoding of a picture gives the same)."""
+    if isinstance(image, str):
+        data = image.encode()
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+    elif hasattr(image, "tobytes"):  # a PIL image
+        data = f"{image.mode}{image.size}".encode() + image.tobytes()
+    else:
+        data = repr(image).encode()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _canonical(value: Any) -> str:

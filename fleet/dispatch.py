@@ -68,7 +68,7 @@ class Dispatcher:
         """The session's replica; else prefix affinity if a replica holds most of the prompt
         and is not much busier, else the least loaded; waits for a serving replica while none
         is."""
-        key = affinity_key("/generate", {row.kind: row.value})
+        key = affinity_key("/generate", {row.kind: row.value, "image_data": row.image_data})
         deadline = time.monotonic() + self.wait_s
         while True:
             with self._placement.lock:

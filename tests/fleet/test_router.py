@@ -373,3 +373,27 @@ def test_a_server_unreachable_when_asked_its_model_is_left_out_of_requests_not_u
         with pytest.raises(RemoteEngineError, match="unreachable"):
             router.update_weights_from_disk(s["paths"]["policy"])
         assert s["policy"].get_weight_version() == version
+
+
+def test_affinity_keys_lead_with_the_prompts_images():
+    """Same text with other images must not look like a shared prefix to the dispatch (the
+    engine shares no KV past an image), the same images must."""
+    from PIL import Image
+
+    from hotswap.fleet.affinity import affinity_key
+
+    red, blue = Image.new("RGB", (8, 8), "red"), Image.new("RGB", (8, 8), "blue")
+    ids = [1, 3, 5, 4, 9, 9]
+
+    def key(images):
+        return affinity_key("/generate", {"input_ids": ids, "image_data": images})
+
+    assert key([red]) == key([red.copy()]) and key([red]) != key([blue])
+    assert key([red])[1:] == tuple(ids) and key(None) == tuple(ids)
+    tree = PrefixAffinity()
+    tree.insert(key([red]), 0)
+    assert tree.match(key([red])) and not tree.match(key([blue]))
+    # a batch is keyed by its first prompt, with that prompt's images
+    assert affinity_key("/generate", {"prompt": ["x", "y"], "image_data": [[red], None]}) == \
+        affinity_key("/generate", {"prompt": "x", "image_data": [red]})
+    assert affinity_key("/generate", {"prompt": "x"}) == "x"
