@@ -1,16 +1,19 @@
 """Throughput: hotswap (bf16 and fp32) vs HF transformers `generate`: same model, prompts, machine.
 
-python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c] [--repeats 1]
+python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c,t] [--repeats 1]
                            [--skip-hf] [--no-roofline] [--no-logprob-check]
                            [--quantization int8 [--quantize-lm-head]] [--deterministic]
 (a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
 (1) batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
-questions x 32 new tokens. Sampling at temperature 1.0, eos ignored on both sides so every
-request makes its full length. Every engine (one per dtype) and HF (fp32) run in their own
+questions x 32 new tokens; (t) the long tail of a GRPO batch: 4 distinct ~2,000-token prompts x
+64 new tokens, decoded on their cached prompts (a first call prefills them, uncounted; HF is not
+run on it). Sampling at temperature 1.0, eos ignored on both sides so every request makes its
+full length. Every engine (one per dtype) and HF (fp32) run in their own
 process, and each repeat runs them one after the other, so a slow period of this shared machine
 hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the
 decode matmul shapes (oneDNN, packed weights) and the share of that roofline each engine reaches,
-GB/s of weights read at batch 1, and the bf16 engine's logprob error against HF fp32 and bf16.
+GB/s of weights read at batch 1 and of weights and KV read at (t), each as a share of the
+machine's read bandwidth, and the bf16 engine's logprob error against HF fp32 and bf16.
 With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
 first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
 tokens) are printed for each engine; with --quantize-lm-head its lm_head is int8 too (else the
@@ -63,6 +66,16 @@ def long_system_prompt(tokenizer, tokens: int = 1000) -> str:
     return text
 
 
+def long_tail_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
+    """n prompts of ~`tokens` tokens that share no prefix (each row reads its own KV)."""
+    text = long_system_prompt(tokenizer, tokens - 30)
+    return [tokenizer.encode(f"Visitor {i} asks about {TOPICS[i % 16]}. {text}") for i in range(n)]
+
+
+# Workloads decoded on their cached prompts: a first call prefills them (not timed).
+WARM = {"t"}
+
+
 def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, int]]:
     """name -> (distinct prompts, samples per prompt, new tokens)."""
     makers = {
@@ -70,6 +83,7 @@ def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, i
         "b": lambda: (chat_prompts(tokenizer, 8), 8, 64),
         "1": lambda: (chat_prompts(tokenizer, 1), 1, 64),
         "c": lambda: (chat_prompts(tokenizer, 64, long_system_prompt(tokenizer)), 1, 32),
+        "t": lambda: (long_tail_prompts(tokenizer, 4, 2000), 1, 64),
     }
     return {k: makers[k]() for k in chosen.split(",")}
 
@@ -91,10 +105,14 @@ def _start_engine(path: str, dtype: str, kwargs: dict) -> None:
     _ENGINE = Engine(path, dtype=dtype, **kwargs)
 
 
-def run_hotswap(prompts: list[list[int]], n: int, new: int, logprobs: bool = False) -> dict:
-    """One workload through this worker's engine, from an empty prefix cache."""
+def run_hotswap(prompts: list[list[int]], n: int, new: int, logprobs: bool = False,
+                warm: bool = False) -> dict:
+    """One workload through this worker's engine, from an empty prefix cache (with `warm`,
+    from one holding the prompts: only their decode is timed)."""
     engine = _ENGINE
     engine.flush_cache()
+    if warm:
+        engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
     before = dict(engine.scheduler.stats)
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, return_logprob=logprobs, sampling_params={
@@ -238,6 +256,21 @@ def weight_bytes(shapes: dict, dtype: str, fp32_head: bool, int8_head: bool = Fa
     return total
 
 
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    """Bytes of K and V one token holds over every layer (what attention reads per token)."""
+    size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    return 2 * cfg.num_layers * cfg.kv_size * size
+
+
+def long_tail_read_gbs(tok_s: float, prompts: list[list[int]], new: int, weights: int,
+                       kv_per_token: int) -> float:
+    """GB/s a decode of `prompts` (one row each, `new` tokens) reads at `tok_s`: every step the
+    weights once and each row's KV at its mean context."""
+    rows = len(prompts)
+    context = sum(len(p) for p in prompts) / rows + new / 2
+    return tok_s / rows * (weights + rows * context * kv_per_token) / 1e9
+
+
 def print_matmul_rates(shapes: dict, times: dict[str, dict[str, float]], bandwidth: float) -> None:
     print("machine: decode matmuls, 64 rows x packed weight (oneDNN; int8: the int8 linear, "
           "quantization of x included), GFLOP/s (int8: GOP/s):")
@@ -301,6 +334,10 @@ def main() -> None:
             times = pool.apply(measure_matmuls, (shapes,), {"int8": bool(args.quantization)})
             bandwidth = pool.apply(measure_read_bandwidth)
         print_matmul_rates(shapes, times, bandwidth)
+
+    def of_bandwidth(gbs: float) -> str:
+        return "" if args.no_roofline else f" ({gbs / bandwidth:.0%} of read bandwidth)"
+
     kwargs = {"pack_weights": not args.no_pack_weights,
               "fp32_lm_head": not args.no_fp32_lm_head}
     specs = {dt: QUANTIZED.get(dt) or ((dt[4:], {"deterministic": True})
@@ -317,14 +354,15 @@ def main() -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     print(f"torch threads: {torch.get_num_threads()}, model: {path}, engines: {dtypes}")
     head = "".join(f"{'hotswap ' + dt:>18}" for dt in dtypes)
-    print(f"{'workload':<9}{head}{'HF fp32':>10}  ratios; roofline share (a,b) / weights GB/s (1)")
+    print(f"{'workload':<9}{head}{'HF fp32':>10}  ratios; roofline share (a,b) / GB/s read (1, t)")
     for name, (prompts, n, new) in workloads(tokenizer, args.workloads).items():
         ours: dict[str, list[dict]] = {dt: [] for dt in dtypes}
         theirs = []
         for _ in range(args.repeats):  # alternate: a slow period of the machine hits every side
             for dt in dtypes:
-                ours[dt].append(engines[dt].apply(run_hotswap, (prompts, n, new)))
-            if hf_pool is not None:
+                ours[dt].append(engines[dt].apply(run_hotswap, (prompts, n, new),
+                                                  {"warm": name in WARM}))
+            if hf_pool is not None and name not in WARM:
                 theirs.append(hf_pool.apply(run_hf, (path, prompts, n, new, pad))["tok_s"])
         med = {dt: statistics.median(r["tok_s"] for r in ours[dt]) for dt in dtypes}
         hf_med = statistics.median(theirs) if theirs else float("nan")
@@ -340,7 +378,11 @@ def main() -> None:
             head8 = specs[dt][1].get("quantize_lm_head", False)
             if name == "1":
                 gbs = med[dt] * weight_bytes(shapes, dt, head32, head8) / 1e9
-                notes.append(f"{dt} {gbs:.1f} GB/s")
+                notes.append(f"{dt} {gbs:.1f} GB/s{of_bandwidth(gbs)}")
+            elif name == "t" and dt in ("bfloat16", "float32"):
+                gbs = long_tail_read_gbs(med[dt], prompts, new, weight_bytes(
+                    shapes, dt, head32), kv_bytes_per_token(cfg, dt))
+                notes.append(f"{dt} {gbs:.1f} GB/s{of_bandwidth(gbs)}")
             elif not args.no_roofline and name in ("a", "b"):
                 roof = roofline_tok_s(shapes, times, dt, head32, int8_head=head8)
                 notes.append(f"{dt} {med[dt] / roof:.0%} of {roof:.0f}")
