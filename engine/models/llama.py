@@ -14,6 +14,7 @@ from torch import nn
 from hotswap.engine.attention.base import FusedDecodeInputs
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.cpu_features import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import (
@@ -31,9 +32,10 @@ from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
 # the bytes of the float32 copy, the same products) in a matrix-vector kernel, which is faster
-# there; on AMX more rows take cpu_kernels.head_logits, faster from 3 rows on
-# (docs/performance.md).
-SMALL_HEAD_ROWS = 2
+# there; on AMX more rows take cpu_kernels.head_logits, faster from 3 rows on. With AVX512-BF16
+# and no AMX the kernel stays faster up to 6-8 rows (SmolLM2's head at 4 rows: 1.8 against 3.0
+# ms); with AVX2 only, up to 2 (docs/performance.md#decode-against-the-machines-limits).
+SMALL_HEAD_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 2
 
 
 class WeightSlot(NamedTuple):
