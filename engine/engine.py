@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import queue
-import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -29,6 +28,7 @@ from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.core.namespace import ServingVersion
 from hotswap.engine.core.request import Req
 from hotswap.engine.distributed.launch import make_runner, resolve_launch
+from hotswap.engine.executor.omp import in_own_thread
 from hotswap.engine.lora.manager import LoRAManager
 from hotswap.engine.multimodal.image_processing import ImageProcessorConfig
 from hotswap.engine.request_builder import RequestBuilder
@@ -59,7 +59,7 @@ class Engine(PrefillDecodeRoles, EngineClient):
             raise ValueError("a reward model runs with tp_size=1 (its score head is not sharded)")
         self.model_config = model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.runner = _in_own_thread(lambda: make_runner(self.config, model_config))
+        self.runner = in_own_thread(lambda: make_runner(self.config, model_config))
         self.outputs = OutputProcessor(self.tokenizer, self._eos_ids(),
                                        self.config.context_length)
         self.loras = LoRAManager(self.config, model_config, self.runner.device,
@@ -73,7 +73,10 @@ class Engine(PrefillDecodeRoles, EngineClient):
             self.scheduler.grammars, lambda: self.runner.allocator.size, self._check_servable,
             self.loras.check_name, self.scheduler.sessions.known,
             self.config.enable_return_routed_experts, model_config.num_labels,
-            self.config.served_model_name, model_config, self._image_processor())
+            self.config.served_model_name, model_config,
+            None if model_config.vision is None else ImageProcessorConfig.for_engine(
+                model_path, self.runner.model.vision_config.spatial_merge_size,
+                self.config.image_min_pixels, self.config.image_max_pixels))
         self._init_roles()
         self.scheduler.start()
         # A process that ends without shutdown() would finalize while the scheduler thread (a
@@ -81,24 +84,6 @@ class Engine(PrefillDecodeRoles, EngineClient):
         # and the process aborts ("terminate called without an active exception").
         self._at_exit = functools.partial(_shutdown_if_alive, weakref.ref(self))
         atexit.register(self._at_exit)
-
-    def _image_processor(self) -> ImageProcessorConfig | None:
-        """A vision-language model's preprocessing: its preprocessor_config.json, with the
-        engine's image_min_pixels / image_max_pixels in place of its bounds."""
-        if self.model_config.vision is None:
-            return None
-        bounds = {name: value for name, value in (("min_pixels", self.config.image_min_pixels),
-                                                  ("max_pixels", self.config.image_max_pixels))
-                  if value is not None}
-        processor = ImageProcessorConfig.from_path(self.config.model_path, **bounds)
-        merge = self.runner.model.vision_config.spatial_merge_size
-        if processor.merge_size != merge:
-            raise ValueError(f"preprocessor_config.json merge_size {processor.merge_size} "
-                             f"differs from config.json's spatial_merge_size {merge}")
-        if processor.min_pixels > processor.max_pixels:
-            raise ValueError(f"image pixels: min {processor.min_pixels} over max "
-                             f"{processor.max_pixels}")
-        return processor
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -491,29 +476,3 @@ def _shutdown_if_alive(ref: weakref.ref[Engine]) -> None:
     engine = ref()
     if engine is not None:
         engine.shutdown()
-
-
-def _in_own_thread(fn: Callable[[], Any]) -> Any:
-    """Run fn in a short-lived thread: its OpenMP workers exit with it.
-
-    Every thread that runs parallel torch ops keeps its own OpenMP team. With more workers alive
-    than cores libgomp stops spinning between parallel regions, and each small op in the
-    scheduler thread pays a futex wake-up (measured: a [64, 576] mul took 47 us instead of
-    4 us; a SmolLM2 decode step at batch 64, 193 ms instead of 160 ms). Loading the model here,
-    not in the caller's thread, keeps the scheduler's team the only one.
-    """
-    result: list[Any] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="hotswap-load")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hotswap.engine.request_builder import message_images
 from hotswap.rollout.trajectory import extend_routes
 from hotswap.weight_sync.versions import VersionOrder
 
@@ -53,22 +54,11 @@ class Completion:
 
 def row_images(row: dict) -> list[Any] | None:
     """A row's images in prompt order: its "image_data" list, else the image parts of its
-    messages ({"type": "image", "image": ...} or {"type": "image_url", "image_url": {"url"}});
-    None when it has none."""
+    messages ({"type": "image", "image": ...} or {"type": "image_url", "image_url": {"url"}},
+    read as the engine reads them); None when it has none."""
     if row.get("image_data") is not None:
         return list(row["image_data"]) or None
-    images = [image_part(part) for msg in row.get("messages") or []
-              if isinstance(msg.get("content"), list)
-              for part in msg["content"] if part.get("type") in ("image", "image_url")]
-    return images or None
-
-
-def image_part(part: dict) -> Any:
-    """The image an image part of a chat message holds (any form the engine's image_data takes)."""
-    if part["type"] == "image":
-        return part["image"]
-    url = part["image_url"]
-    return url["url"] if isinstance(url, dict) else url
+    return message_images(row.get("messages") or []) or None
 
 
 def versions_per_token(spans: list[dict], count: int) -> list[str | None]:

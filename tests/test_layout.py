@@ -405,7 +405,7 @@ def test_no_import_cycles():
 
 def _unit(module: str) -> str:
     """The folder a module belongs to: hotswap.engine.<sub> inside the engine, else hotswap.<top>
-    (engine.py, config.py and errors.py are units of their own)."""
+    (engine.py, config/ and errors.py are units of their own)."""
     parts = module.split(".")
     return ".".join(parts[:3] if parts[1] == "engine" else parts[:2])
 

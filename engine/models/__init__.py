@@ -6,7 +6,8 @@ import importlib
 
 from torch import nn
 
-from hotswap.engine.config import SCORING_ARCHITECTURES, VISION_ARCHITECTURES, ModelConfig
+from hotswap.engine.config import ModelConfig
+from hotswap.engine.config.model import SCORING_ARCHITECTURES, VISION_ARCHITECTURES
 
 _REGISTRY = {
     "LlamaForCausalLM": "hotswap.engine.models.llama:LlamaForCausalLM",

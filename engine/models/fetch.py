@@ -208,7 +208,7 @@ def _hf_config(hf_config: PretrainedConfig, eos_id: int) -> dict:
                pad_token_id=hf_config.pad_token_id,
                max_position_embeddings=hf_config.max_position_embeddings,
                tie_word_embeddings=bool(hf_config.tie_word_embeddings))
-    # Older readers (and engine/config.py) look for the pre-5.0 rope fields.
+    # Older readers (and engine/config/model.py) look for the pre-5.0 rope fields.
     if "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}

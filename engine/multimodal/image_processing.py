@@ -76,6 +76,24 @@ class ImageProcessorConfig:
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f), **overrides)
 
+    @classmethod
+    def for_engine(cls, model_path: str, merge_size: int, min_pixels: int | None,
+                   max_pixels: int | None) -> ImageProcessorConfig:
+        """An engine's preprocessing: the model's preprocessor_config.json, with the engine's
+        image_min_pixels / image_max_pixels (when set) in place of its bounds; checked against
+        the vision tower's spatial merge size."""
+        bounds = {name: value for name, value in (("min_pixels", min_pixels),
+                                                  ("max_pixels", max_pixels))
+                  if value is not None}
+        processor = cls.from_path(model_path, **bounds)
+        if processor.merge_size != merge_size:
+            raise ValueError(f"preprocessor_config.json merge_size {processor.merge_size} "
+                             f"differs from config.json's spatial_merge_size {merge_size}")
+        if processor.min_pixels > processor.max_pixels:
+            raise ValueError(f"image pixels: min {processor.min_pixels} over max "
+                             f"{processor.max_pixels}")
+        return processor
+
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
