@@ -1,0 +1,502 @@
+"""An EAGLE-style learned draft: its reference module, its online trainer and its checkpoint.
+
+The draft is one Llama decoder layer over the policy's own features. For tokens x_0..x_{n-1}
+with F_s the policy's last hidden state after its final norm (F_{-1} = 0):
+    z_s = fc([E[x_s], F_{s-1}]),  g_s = layer(z_s) (causal, RoPE at s),  G_s = norm(g_s),
+    q_s = softmax(G_s @ W[token_map].T / T)
+so (F_{s-1}, x_s) -> G_s predicts both F_s and the policy's next-token distribution p_s. E and W
+are the policy's (shared, never trained here). At inference step j > 1 of a chain consumes the
+draft's own G instead of F; `DraftNet.forward_levels` builds exactly that ("level" j) for every
+start position at once, which both trains the chain (training-time test) and measures it.
+
+    python -m hotswap.engine.speculative.train_draft MODEL_PATH [--out DIR] [--minutes M] ...
+distils a draft from the policy's own generations (engine/speculative/draft_data.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.engine.config.model import ModelConfig
+from hotswap.engine.layers.rotary import rope_inv_freq
+from hotswap.engine.speculative import draft_data
+from hotswap.engine.speculative.draft_checkpoint import (
+    WEIGHTS_FILE,
+    as_model_config,
+    load_draft_config,
+    policy_weights_sha,
+    save_draft,
+)
+
+DEFAULT_VOCAB = 8192
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+
+
+class SequenceLayout(NamedTuple):
+    """Where each of [B, L] tokens sits: its position, its sequence within the row (packed rows
+    hold several; a sequence starts where the position is 0) and whether it is a real token."""
+
+    positions: torch.Tensor
+    segments: torch.Tensor
+    valid: torch.Tensor
+
+
+def sequence_layout(input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None) -> SequenceLayout:
+    valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+             else attention_mask.bool())
+    if position_ids is None:
+        position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    segments = (position_ids == 0).long().cumsum(-1)
+    return SequenceLayout(position_ids, segments, valid)
+
+
+def shift_features(features: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """F_{s-1} at s; zeros where a sequence starts."""
+    shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+    return shifted * (layout.positions > 0).unsqueeze(-1).to(shifted.dtype)
+
+
+def level_mask(layout: SequenceLayout, level: int) -> torch.Tensor:
+    """Which keys a level-`level` query sees, bool [B, 1, L, level * L] over the keys of levels
+    1..level side by side. The chain ending at t started at s = t - level + 1: it sees level 1
+    (teacher-forced, the verified tokens) up to s, and level i's key at s + i - 1 for i >= 2."""
+    length = layout.positions.shape[1]
+    t = torch.arange(length, device=layout.positions.device)
+    same = layout.segments[:, :, None] == layout.segments[:, None, :]
+    first = same & layout.valid[:, None, :] & (t[None, :] <= t[:, None] - level + 1)
+    blocks = [first]
+    for i in range(2, level + 1):
+        blocks.append(same & (t[None, :] == t[:, None] - level + i))
+    if level == 1:  # a padded query sees itself: no row is empty
+        blocks[0] = first | torch.eye(length, dtype=torch.bool, device=t.device)
+    return torch.cat(blocks, dim=-1).unsqueeze(1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, half-rotation layout (HF Llama): x [B, heads, L, D], cos/sin [B, 1, L, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attend over the keys of earlier levels (`past`) and this level's own; returns the
+        output and this level's (k, v)."""
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, *rope), rotate(k, *rope)
+        keys = torch.cat([pk for pk, _ in past] + [k], dim=2)
+        values = torch.cat([pv for _, pv in past] + [v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1)), (k, v)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """One pre-norm Llama decoder layer (no q/k/v bias, no q/k norm)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attn, kv = self.self_attn(self.input_layernorm(x), rope, past, mask)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class DraftOutput(NamedTuple):
+    features: torch.Tensor  # G [B, L, H], float32
+    logits: torch.Tensor  # [B, L, Vd], float32, before the temperature
+
+
+class DraftNet(nn.Module):
+    """The draft over whole sequences (reference for the engine's paged version, and training).
+    Parameters are named so that "draft." + name is the checkpoint name."""
+
+    def __init__(self, policy_config: Any, token_map: list[int] | torch.Tensor):
+        super().__init__()
+        self.config = cfg = as_model_config(policy_config)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = DraftLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        token_map = torch.as_tensor(token_map, dtype=torch.int64)
+        if token_map.numel() == 0 or bool((token_map[1:] <= token_map[:-1]).any()):
+            raise ValueError("token_map must be a non-empty, strictly increasing list of ids")
+        if int(token_map[-1]) >= cfg.vocab_size or int(token_map[0]) < 0:
+            raise ValueError(f"token_map holds ids outside the vocabulary [0, {cfg.vocab_size})")
+        self.register_buffer("token_map", token_map, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling), persistent=False)
+
+    @torch.no_grad()
+    def init_from_policy(self, policy: nn.Module) -> DraftNet:
+        """Start from the policy's last decoder layer and final norm; z = E[x] + F_{s-1}."""
+        decoder = policy.get_decoder()
+        last = decoder.layers[-1]
+        own = dict(self.layer.named_parameters())
+        for name, p in last.named_parameters():
+            if name in own and own[name].shape == p.shape:
+                own[name].copy_(p.float())
+        self.norm.weight.copy_(decoder.norm.weight.float())
+        h = self.config.hidden_size
+        eye = torch.eye(h)
+        self.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+        return self
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, head_weight: torch.Tensor,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *,
+                embed_weight: torch.Tensor | None = None) -> DraftOutput:
+        """Teacher-forced: position s consumes (F_{s-1}, x_s). `embed_weight` defaults to
+        `head_weight` (tied embeddings)."""
+        return self.forward_levels(input_ids, features, head_weight, 1, position_ids,
+                                   attention_mask, embed_weight=embed_weight)[0]
+
+    def forward_levels(self, input_ids: torch.Tensor, features: torch.Tensor,
+                       head_weight: torch.Tensor, levels: int,
+                       position_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None, *,
+                       embed_weight: torch.Tensor | None = None) -> list[DraftOutput]:
+        """Levels 1..`levels`: level j at position t is step j of the chain that started at
+        t - j + 1 (its input feature is level j-1's G at t - 1; level 0 is F). A level-j output
+        at t is meaningful only where the position is >= j - 1 (`chain_valid`)."""
+        layout = sequence_layout(input_ids, position_ids, attention_mask)
+        embed = head_weight if embed_weight is None else embed_weight
+        emb = F.embedding(input_ids, embed).float()
+        freqs = layout.positions.unsqueeze(-1).float() * self.inv_freq
+        rope = (freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1))
+        head = head_weight[self.token_map].float()
+        prev, past, outs = features.float(), [], []
+        for level in range(1, levels + 1):
+            z = self.fc(torch.cat([emb, shift_features(prev, layout)], dim=-1))
+            g, kv = self.layer(z, rope, past, level_mask(layout, level))
+            past.append(kv)
+            prev = self.norm(g)
+            outs.append(DraftOutput(prev, prev @ head.T))
+        return outs
+
+    def named_tensors(self, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
+        return [("draft." + n, p.detach().to(dtype).clone()) for n, p in self.named_parameters()]
+
+
+def chain_valid(layout: SequenceLayout, level: int) -> torch.Tensor:
+    """[B, L] bool: the level-`level` chain ending here started inside this sequence."""
+    return layout.valid & (layout.positions >= level - 1)
+
+
+def target_logprobs(features: torch.Tensor, head_weight: torch.Tensor, token_map: torch.Tensor,
+                    temperature: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """log p over token_map for features [N, H]: exact with `lse` (the full-vocab logsumexp of
+    logits / T), else renormalised over token_map (cheap: the map is most of p's mass)."""
+    logits = features.float() @ head_weight[token_map].float().T / temperature
+    if lse is None:
+        return logits.log_softmax(-1)
+    return logits - lse.unsqueeze(-1)
+
+
+def acceptance(p_log: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sum_v min(p(v), q(v)) per row: the chance a token drawn from q passes min(1, p/q)."""
+    q = (q_logits / temperature).softmax(-1)
+    return torch.minimum(p_log.exp(), q).sum(-1)
+
+
+def soft_cross_entropy(p_log: torch.Tensor, q_logits: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    return -(p_log.exp() * (q_logits / temperature).log_softmax(-1)).sum(-1)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    levels: int = 2  # 2: also train the chained step (training-time test)
+    reg_weight: float = 0.2  # smooth-L1(G, F) next to the soft cross-entropy
+    max_positions: int = 2048  # loss positions per level and step (a random subset beyond)
+    temperature: float = 1.0
+
+
+def draft_loss(net: DraftNet, batch: dict[str, torch.Tensor], head_weight: torch.Tensor,
+               embed_weight: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, one-step acceptance estimate) over `batch`: input_ids, features, loss_mask and
+    optionally position_ids, attention_mask, lse ([B, L]) or policy_logits ([B, L, V])."""
+    ids, feats = batch["input_ids"], batch["features"]
+    layout = sequence_layout(ids, batch.get("position_ids"), batch.get("attention_mask"))
+    outs = net.forward_levels(ids, feats, head_weight, cfg.levels, layout.positions,
+                              layout.valid, embed_weight=embed_weight)
+    loss_mask = batch["loss_mask"].bool() & layout.valid
+    total, accept = feats.new_zeros(()).float(), feats.new_zeros(()).float()
+    for level, out in enumerate(outs, start=1):
+        where = (loss_mask & chain_valid(layout, level)).nonzero(as_tuple=True)
+        if len(where[0]) > cfg.max_positions:
+            keep = torch.randperm(len(where[0]))[:cfg.max_positions]
+            where = (where[0][keep], where[1][keep])
+        if len(where[0]) == 0:
+            continue
+        p_log = policy_target(batch, where, head_weight, net.token_map, cfg.temperature)
+        q_logits = out.logits[where]
+        ce = soft_cross_entropy(p_log, q_logits, cfg.temperature).mean()
+        reg = F.smooth_l1_loss(out.features[where], feats[where].float())
+        total = total + ce + cfg.reg_weight * reg
+        if level == 1:
+            accept = acceptance(p_log, q_logits.detach(), cfg.temperature).mean()
+    return total, accept
+
+
+def policy_target(batch: dict[str, torch.Tensor], where: tuple[torch.Tensor, torch.Tensor],
+                  head_weight: torch.Tensor, token_map: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    logits = batch.get("policy_logits")
+    if logits is not None:
+        return (logits[where].float() / temperature).log_softmax(-1)[:, token_map]
+    lse = batch.get("lse")
+    return target_logprobs(batch["features"][where], head_weight, token_map, temperature,
+                           None if lse is None else lse[where])
+
+
+class DraftTrainer:
+    """Trains a draft online beside the policy: `step` takes the hidden states (F, after the final
+    norm) the policy's trainer already computed, and one AdamW step is taken on them."""
+
+    def __init__(self, policy_model: nn.Module, token_map: list[int] | torch.Tensor,
+                 lr: float = 3e-4, temperature: float = 1.0, *, net: DraftNet | None = None,
+                 levels: int = 2, reg_weight: float = 0.2, max_positions: int = 1024):
+        embed = policy_model.get_input_embeddings().weight
+        head = policy_model.get_output_embeddings().weight
+        self.embed_weight, self.head_weight = embed.detach(), head.detach()
+        self.dtype = head.dtype
+        self.net = net or DraftNet(policy_model.config, token_map).init_from_policy(policy_model)
+        self.loss_cfg = LossConfig(levels, reg_weight, max_positions, temperature)
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
+        self.trained_tokens = 0
+
+    def step(self, input_ids: torch.Tensor, features: torch.Tensor,
+             policy_logits_or_logprobs: torch.Tensor | None = None,
+             loss_mask: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None,
+             lse: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step. Without policy logits the target p is the policy's distribution
+        over token_map, renormalised there unless `lse` (full-vocab logsumexp of logits / T)
+        is given. Inputs [B, L] (features [B, L, H]) are detached."""
+        start = time.perf_counter()
+        if loss_mask is None:
+            loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        batch = {"input_ids": input_ids, "features": features.detach(), "loss_mask": loss_mask,
+                 "position_ids": position_ids, "attention_mask": attention_mask, "lse": lse,
+                 "policy_logits": (None if policy_logits_or_logprobs is None
+                                   else policy_logits_or_logprobs.detach())}
+        batch = {k: v for k, v in batch.items() if v is not None}
+        self.net.train()
+        loss, accept = draft_loss(self.net, batch, self.head_weight, self.embed_weight,
+                                  self.loss_cfg)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
+        self.optimizer.step()
+        self.trained_tokens += int(loss_mask.sum())
+        return {"loss": float(loss), "acceptance_estimate": float(accept),
+                "seconds": time.perf_counter() - start}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint names and tensors, in the policy's dtype, for a weight push."""
+        return self.net.named_tensors(self.dtype)
+
+
+class EvalResult(NamedTuple):
+    acceptance: float  # mean sum_v min(p, q) of one drafted token (level 1)
+    chained_length: float  # expected accepted tokens of a k-token chain
+    level_acceptance: list[float]  # mean acceptance of chain step j, j = 1..k
+    positions: int  # chain starts measured
+
+
+@torch.no_grad()
+def evaluate(net: DraftNet, batches: list[dict[str, torch.Tensor]], head_weight: torch.Tensor,
+             embed_weight: torch.Tensor | None = None, temperature: float = 1.0,
+             k: int = 4) -> EvalResult:
+    """Acceptance on held-out batches (keys as `draft_loss`; give `lse` or `policy_logits` for
+    the exact full-vocab p). The chain starting at s drafts k tokens; step j (j >= 2) consumes
+    the draft's own G of step j-1 and the TEACHER token (the sequence's actual next token) as
+    its x̂. Its expected accepted length is sum_j prod_{i <= j} a_i, a_i = sum min(p, q) at
+    step i, counted over starts whose k positions all lie in the loss mask."""
+    net.eval()
+    level_sums, chain_sum, count = [0.0] * k, 0.0, 0
+    for batch in batches:
+        ids = batch["input_ids"]
+        layout = sequence_layout(ids, batch.get("position_ids"), batch.get("attention_mask"))
+        outs = net.forward_levels(ids, batch["features"], head_weight, k, layout.positions,
+                                  layout.valid, embed_weight=embed_weight)
+        mask = batch["loss_mask"].bool() & layout.valid
+        rows, length = ids.shape
+        accept = torch.zeros(k, rows, length)
+        for j, out in enumerate(outs):
+            where = (mask & chain_valid(layout, j + 1)).nonzero(as_tuple=True)
+            p_log = policy_target(batch, where, head_weight, net.token_map, temperature)
+            accept[j][where] = acceptance(p_log, out.logits[where], temperature)
+        # Chain starts s: a_j sits at s + j - 1, all k inside the mask and the same sequence.
+        starts = length - k + 1
+        if starts <= 0:
+            continue
+        ok = torch.ones(rows, starts, dtype=torch.bool)
+        expected, run = torch.zeros(rows, starts), torch.ones(rows, starts)
+        for j in range(k):
+            ok &= mask[:, j:j + starts] & chain_valid(layout, j + 1)[:, j:j + starts]
+            ok &= layout.segments[:, j:j + starts] == layout.segments[:, :starts]
+            run = run * accept[j, :, j:j + starts]
+            expected += run
+        count += int(ok.sum())
+        chain_sum += float(expected[ok].sum())
+        for j in range(k):
+            level_sums[j] += float(accept[j, :, j:j + starts][ok].sum())
+    n = max(count, 1)
+    levels = [s / n for s in level_sums]
+    return EvalResult(levels[0], chain_sum / n, levels, count)
+
+
+def load_draft(directory: str, policy_config: Any) -> tuple[DraftNet, dict[str, Any]]:
+    """The checked DraftNet (float32) of DIR, and its config."""
+    from safetensors.torch import load_file
+
+    config = load_draft_config(directory, policy_config)
+    net = DraftNet(policy_config, config["token_map"])
+    state = load_file(os.path.join(directory, WEIGHTS_FILE))
+    net.load_state_dict({n.removeprefix("draft."): t.float() for n, t in state.items()})
+    return net, config
+
+
+def report(epoch: int, loss: float, result: EvalResult, elapsed: float) -> None:
+    steps = " ".join(f"{a:.3f}" for a in result.level_acceptance)
+    print(f"epoch {epoch:3d}  loss {loss:7.4f}  held-out accept {result.acceptance:.3f}  "
+          f"k=4 accepted {result.chained_length:.3f} (steps {steps})  {elapsed:6.1f}s",
+          flush=True)
+
+
+def train(trainer: DraftTrainer, train_set: list[draft_data.Sample],
+          eval_set: list[draft_data.Sample], minutes: float, seed: int) -> EvalResult:
+    """Epochs over `train_set` until `minutes` have passed; returns the last held-out result."""
+    rng = random.Random(seed)
+    held_out = draft_data.batches(eval_set, response_only=True)
+    temperature = trainer.loss_cfg.temperature
+    start, epoch = time.monotonic(), 0
+
+    def held_out_result() -> EvalResult:
+        return evaluate(trainer.net, held_out, trainer.head_weight, trainer.embed_weight,
+                        temperature, k=4)
+
+    result = held_out_result()
+    report(0, float("nan"), result, 0.0)
+    while time.monotonic() - start < minutes * 60:
+        epoch += 1
+        losses = []
+        for batch in draft_data.batches(train_set, response_only=False, rng=rng):
+            losses.append(trainer.step(batch["input_ids"], batch["features"], None,
+                                       batch["loss_mask"], attention_mask=batch["attention_mask"],
+                                       lse=batch["lse"])["loss"])
+            if time.monotonic() - start >= minutes * 60:
+                break
+        result = held_out_result()
+        report(epoch, sum(losses) / max(len(losses), 1), result, time.monotonic() - start)
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hotswap.engine.speculative.train_draft",
+                                description="Distil a learned draft from the policy's samples.")
+    p.add_argument("model_path")
+    p.add_argument("--out", default=None, help="checkpoint folder (default MODEL_PATH/draft)")
+    p.add_argument("--minutes", type=float, default=5.0, help="training time")
+    p.add_argument("--samples", type=int, default=384, help="rollouts to distil from")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="draft vocabulary size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--levels", type=int, default=2, help="chain steps trained (1: no TTT)")
+    p.add_argument("--reg-weight", type=float, default=0.2, help="feature regression weight")
+    args = p.parse_args(argv)
+    if min(args.samples, args.max_new_tokens, args.vocab, args.levels) < 1 or args.minutes < 0:
+        p.error("--samples, --max-new-tokens, --vocab and --levels must be >= 1, --minutes >= 0")
+    if args.temperature <= 0:
+        p.error("--temperature must be > 0 (the draft is trained for sampling)")
+    return args
+
+
+def warm_start(argv: list[str] | None = None) -> str:
+    import transformers
+
+    args = parse_args(argv)
+    out = args.out or os.path.join(args.model_path, "draft")
+    begin = time.monotonic()
+    torch.manual_seed(args.seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path,
+                                                              dtype=torch.float32).eval()
+    data = draft_data.distillation_set(model, tokenizer, args.samples, args.max_new_tokens,
+                                       args.temperature, args.vocab, args.seed)
+    print(f"sampled {data.rollouts} rollouts, {data.generated} tokens; draft vocabulary "
+          f"{len(data.token_map)} covers {data.coverage:.1%} of them "
+          f"({time.monotonic() - begin:.0f}s)", flush=True)
+    token_map = data.token_map
+    trainer = DraftTrainer(model, token_map, lr=args.lr, temperature=args.temperature,
+                           levels=args.levels, reg_weight=args.reg_weight)
+    result = train(trainer, data.train, data.held_out, args.minutes, args.seed)
+    save_draft(out, trainer.named_tensors(), token_map, model.config.to_dict(),
+               trained_tokens=trainer.trained_tokens, policy_path=os.path.abspath(args.model_path),
+               weights_sha=policy_weights_sha(model),
+               eval={"acceptance": round(result.acceptance, 4),
+                     "chained_k4_accepted": round(result.chained_length, 4),
+                     "temperature": args.temperature})
+    print(f"saved the draft to {out} ({time.monotonic() - begin:.0f}s in all); held-out "
+          f"acceptance {result.acceptance:.3f}, k=4 accepted {result.chained_length:.3f}")
+    print(json.dumps({"out": out, "acceptance": result.acceptance,
+                      "chained_k4": result.chained_length}))
+    return out
+
+
+if __name__ == "__main__":
+    warm_start()
