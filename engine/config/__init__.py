@@ -19,7 +19,10 @@ from hotswap.engine.cpu_features import auto_dtype, warn_emulated_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "int8")
-SPECULATIVE = (None, "ngram", "self")
+SPECULATIVE = (None, "ngram", "self", "draft")
+# Dense and MoE Llama-family text models: the draft reads their embedding, head and rotary table.
+DRAFT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ROLES = ("both", "prefill", "decode")
 
 logger = logging.getLogger(__name__)
@@ -125,12 +128,17 @@ class EngineConfig:
     # logprobs and versions are the target's; the draft length of a step follows measured
     # acceptance and step times, up to speculative_num_draft_tokens (0 where it does not pay).
     speculative: str | None = option(
-        None, "speculative decoding: n-gram drafts from the request's own prompt and output, or "
-        "the policy's own first speculative_self_layers layers", ("ngram", "self"))
+        None, "speculative decoding: n-gram drafts from the request's own prompt and output, "
+        "the policy's own first speculative_self_layers layers, or a learned draft (an "
+        "EAGLE-style head trained on the policy, updated with its weights)",
+        ("ngram", "self", "draft"))
     speculative_num_draft_tokens: int = option(
         8, "the longest draft of a step (the length is chosen by measurement)")
     speculative_self_layers: int | None = option(
         None, "layers of the self-draft (default: calibrated on the first running requests)")
+    speculative_draft_path: str | None = option(
+        None, "speculative='draft': the draft's folder (default: the model's draft/, which "
+        "python -m hotswap.engine.speculative.train_draft writes)")
     served_model_name: str | None = option(
         None, "the name requests and updates address it by (model=); default: the folder's")
     frozen: bool = option(False, "a reward model or judge: weight updates must name it")
@@ -182,8 +190,12 @@ class EngineConfig:
             raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not supported; "
                              "tp_size splits every expert over the ranks instead")
         context = self._context_length(model)
+        draft = self.speculative_draft_path
+        if self.speculative == "draft" and draft is None:
+            draft = os.path.join(self.model_path, "draft")
         return replace(self, device=device, dtype=dtype, attention_backend=backend,
-                       context_length=context, served_model_name=self._model_name())
+                       context_length=context, served_model_name=self._model_name(),
+                       speculative_draft_path=draft)
 
     def _model_name(self) -> str:
         name = self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
@@ -243,9 +255,6 @@ class EngineConfig:
                              "host and storage tiers do not keep the routing of their KV")
 
     def _check_speculative(self, model: ModelConfig) -> None:
-        if self.speculative == "draft":
-            raise ValueError('speculative="draft" (a separate draft model) is not implemented; '
-                             'use "ngram" or "self" (docs/api.md#speculative-decoding)')
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got "
                              f"{self.speculative!r}")
@@ -257,6 +266,13 @@ class EngineConfig:
                                    or not 1 <= layers < model.num_layers):
             raise ValueError(f"speculative_self_layers={layers}: needs speculative='self' and "
                              f"a value in [1, {model.num_layers - 1}]")
+        if self.speculative_draft_path is not None and self.speculative != "draft":
+            raise ValueError("speculative_draft_path needs speculative='draft'")
+        if self.speculative == "draft" and (model.architecture not in DRAFT_ARCHITECTURES
+                                            or self.tp_size != 1):
+            raise ValueError(f"speculative='draft' runs on a text model of "
+                             f"{', '.join(DRAFT_ARCHITECTURES)} with tp_size=1; "
+                             f"got {model.architecture} with tp_size={self.tp_size}")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

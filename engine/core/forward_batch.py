@@ -66,6 +66,10 @@ class ForwardBatch:
     # Run only the first num_layers decoder layers, then the final norm and head: a self-draft
     # (engine/speculative/self_draft.py). None: every layer.
     num_layers: int | None = None
+    # [slots, hidden]: a learned draft's store of the policy's normed last hidden state at each
+    # KV slot (engine/speculative/draft.py); the model writes its new tokens' there. Set by the
+    # ModelRunner.
+    features: Any = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -18,6 +18,7 @@ from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from hotswap.engine.layers import cpu_kernels, quant
 from hotswap.engine.models import build_model
+from hotswap.engine.models.draft import DraftModel, load_draft
 from hotswap.engine.models.loader import load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         with torch.device("meta"):  # no random init: every parameter is loaded below
             model = build_model(model_config, config.context_length)
+            if config.speculative == "draft":  # its tensors join the policy's (an update's)
+                model.draft = DraftModel(model_config)
         self.model = model.to_empty(device=self.device).to(self.dtype)
         self.model.eval().requires_grad_(False)
         self._flatten_parameters()
@@ -74,6 +77,10 @@ class ModelRunner:
             self.kv_pool, self.req_to_token_pool.req_to_token, model_config.num_heads,
             model_config.num_kv_heads, model_config.head_dim, model_config.head_dim ** -0.5)
         self.attn_backend.batch_invariant = self.batch_invariant
+        # A learned draft's inputs: the policy's normed last hidden state at every KV slot.
+        self.features = (torch.zeros((self.kv_pool.num_slots, model_config.hidden_size),
+                                     dtype=self.dtype, device=self.device)
+                         if self.model.draft is not None else None)
 
     def _invariant_kernels(self) -> bool:
         """Whether this runner's forward can be batch-invariant: the CPU kernels built and
@@ -94,6 +101,8 @@ class ModelRunner:
 
     def _load_weights(self) -> None:
         load_checkpoint(self.model, self.config.model_path)
+        if self.model.draft is not None:
+            load_draft(self.model.draft, self.config.speculative_draft_path)
 
     def shutdown(self) -> None:
         """Nothing to stop in one process (a tensor-parallel runner stops its workers)."""
@@ -169,8 +178,10 @@ class ModelRunner:
     def _num_kv_tokens(self) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        per_token = (2 * self.model_config.num_layers * self.model_config.kv_size
-                     * self.dtype.itemsize)
+        mc = self.model_config
+        per_token = 2 * mc.num_layers * mc.kv_size * self.dtype.itemsize
+        if self.config.speculative == "draft":  # its layer's KV and the stored hidden state
+            per_token += (2 * mc.kv_size + mc.hidden_size) * self.dtype.itemsize
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * self.config.mem_fraction) // per_token
@@ -185,6 +196,7 @@ class ModelRunner:
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         pool = self.kv_pool
+        fb.features = self.features if fb.num_layers is None else None
         if pool.routes is None or fb.num_layers is not None:  # a draft's routing is not kept
             return self.model(fb)
         fb.routes = torch.empty((fb.num_tokens, *pool.route_shape), dtype=pool.routes.dtype,

@@ -278,9 +278,12 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         generator: torch.Generator | None = None,
+        checks: SampledChecks | None = None,
     ) -> SampleOutput:
         """`logits` [B, V] (not modified); `top_logprobs_num` is the max over rows (trim per
-        row); `generator` draws for rows without a seed and must live on the logits' device."""
+        row); `generator` draws for rows without a seed and must live on the logits' device;
+        `checks`: rows (of the full group) that verify a sampled draft instead of drawing
+        (engine/speculative/verify.py)."""
         x = process_logits(logits, info, self.stats)
         u = _uniforms(info, generator)
         bsz, vocab = x.shape
@@ -304,6 +307,15 @@ class Sampler:
         for group, result in results:
             for dst, src in zip(out, result, strict=True):
                 _put(dst, group, src)
+        if checks is not None:
+            rows = checks.rows.to(x.device)
+            checked = x.index_select(0, rows)
+            tokens = check_sampled(checked, checks, generator)
+            out.next_token_ids.index_copy_(0, rows, tokens)
+            if return_logprob:
+                lse = torch.logsumexp(checked.double(), dim=-1)
+                chosen = checked.gather(1, tokens[:, None]).squeeze(1).double()
+                out.logprobs.index_copy_(0, rows, (chosen - lse).float())
         if return_logprob and info.raw is not None:
             raw = _raw(logits, info.raw, out.next_token_ids, k)
             for dst, src in zip(out[1:], raw[1:], strict=True):
@@ -318,3 +330,35 @@ def _uniforms(info: SamplingBatchInfo, generator: torch.Generator | None) -> tor
     draws = torch.rand(rows.shape[0], dtype=torch.float64, device=rows.device,
                        generator=generator)
     return info.uniforms.index_copy(0, rows, draws)
+
+
+class SampledChecks(NamedTuple):
+    """The sampling rows of a step that check a sampled draft, and those drafts."""
+
+    rows: torch.Tensor  # [n] int64: sampling rows (logits rows) holding a sampled draft
+    tokens: torch.Tensor  # [n] int64: the drafted token at each
+    q: torch.Tensor  # [n, Vd] float32: the draft's distribution there, over the token map
+    index: torch.Tensor  # [n] int64: each drafted token's index in the token map
+    token_map: torch.Tensor  # [Vd] int64
+
+
+def check_sampled(x: torch.Tensor, checks: SampledChecks,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """The token each checked row emits, from its processed logits x [n, V]: its draft where
+    the min(1, p / q) rule keeps it, else a draw from the residual. A rejection implies
+    p(x_j) < q(x_j), so the residual is zero at the draft itself (set exactly, not rounded)."""
+    p = torch.softmax(x.double(), dim=-1)
+    q = checks.q.to(p.device, torch.float64)
+    tokens = checks.tokens.to(p.device)
+    px = p.gather(1, tokens[:, None]).squeeze(1)
+    qx = q.gather(1, checks.index.to(p.device)[:, None]).squeeze(1)
+    u = torch.rand(len(tokens), dtype=torch.float64, device=p.device, generator=generator)
+    keep = u * qx < px
+    residual = p.clone()
+    token_map = checks.token_map.to(p.device)
+    residual[:, token_map] -= q
+    residual.clamp_(min=0).scatter_(1, tokens[:, None], 0.0)
+    # rows where p <= q up to rounding never reject; their residual may sum to 0: any stand-in
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    redraw = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    return torch.where(keep, tokens, redraw)

@@ -275,6 +275,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_quant: QuantWeight | None = None  # int8 lm_head (layers/quant.py)
         self.fp32_head: Fp32Head | None = None
         self.invariant_head: InvariantHead | None = None  # deterministic=True (pack_weights)
+        self.draft: nn.Module | None = None  # a learned draft's DraftModel (models/draft.py)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -284,7 +285,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Float32 logits [len(fb.logits_indices), vocab] for the rows that sample."""
-        return self.logits(self.model(fb)[fb.logits_indices])
+        hidden = self.model(fb)
+        if fb.features is not None:  # a learned draft reads every position's normed state
+            fb.features.index_copy_(0, fb.out_cache_loc, self.model.norm(hidden))
+        return self.logits(hidden[fb.logits_indices])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.invariant_head is not None:
@@ -349,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
             self.model.norm.weight.detach().float(),
             cpu_kernels.block_pack(self.lm_head_weight),
             self.lm_head_weight.shape[0]) if invariant else None
+        if self.draft is not None:
+            self.draft.derive(self.lm_head_weight)
 
     def unblockable(self) -> list[str]:
         """The matmul weights that do not fit the blocked layout (layers/linear.py's can_block),
@@ -380,12 +386,15 @@ class LlamaForCausalLM(nn.Module):
                 layer.post_attention_layernorm.weight)
         out["model.norm.weight"] = whole(self.model.norm.weight)
         out["lm_head.weight"] = whole(self.lm_head_weight)
+        if self.draft is not None:  # optional in an update: without them the draft is stale
+            out.update(self.draft.hf_weight_map())
         return out
 
     def required_weight_names(self) -> set[str]:
         """Names a full checkpoint must provide: no aliases (their storage has other names),
         and a tied lm_head may be omitted."""
-        names = {n for n, slot in self.hf_weight_map().items() if not slot.covers}
+        names = {n for n, slot in self.hf_weight_map().items()
+                 if not slot.covers and not n.startswith("draft.")}
         if self.cfg.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names

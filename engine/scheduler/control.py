@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from hotswap.engine.kvcache.radix_cache import RadixCache
     from hotswap.engine.multimodal.encoder_cache import EncoderCache
     from hotswap.engine.scheduler.kv_manager import KVManager
+    from hotswap.engine.speculative.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class SchedulerLoad:
     # Since start: prompt_tokens, generated_tokens, cached_tokens (prompt tokens found in the
     # prefix cache), prefill_tokens, steps, step_s.
     totals: dict[str, float] = field(default_factory=dict)
+    # Speculator.describe(): draft lengths chosen, a learned draft's version and acceptance
+    speculative: dict[str, Any] | None = None
 
     @property
     def unfinished(self) -> int:
@@ -67,6 +70,7 @@ class SchedulerControl:
     runner: ModelRunner
     stats: dict[str, float]
     encoder: EncoderCache | None
+    spec: Speculator | None
 
     def load(self) -> SchedulerLoad:
         """Any thread, without waiting for a step: each count is one read of a length or a
@@ -78,7 +82,8 @@ class SchedulerControl:
             compiling=len(self.grammar_queue),
             kv_used_tokens=allocator.size - allocator.available_size(),
             kv_cached_tokens=self.tree.total_size(), kv_pool_tokens=allocator.size,
-            sessions=len(self.sessions), totals=dict(self.stats))
+            sessions=len(self.sessions), totals=dict(self.stats),
+            speculative=None if self.spec is None else self.spec.describe())
 
     def finish_where(self, picked: Callable[[Req], bool], reason: FinishReason,
                      queued: bool = True) -> int:

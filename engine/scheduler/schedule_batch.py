@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,9 @@ class BatchRow:
     # Speculative decoding: drafted tokens fed after the row's last token; every one of the
     # row's 1 + len(draft) positions samples (engine/speculative/verify.py)
     draft: list[int] = field(default_factory=list)
+    # A learned draft's drafts drawn from its distribution (speculative/draft.py SampledDraft):
+    # verified by the min(1, p/q) rule instead of the point-mass one
+    sampled: Any = None
 
     @property
     def scored(self) -> int:

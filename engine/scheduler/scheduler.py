@@ -68,8 +68,8 @@ class Scheduler(SchedulerControl, StepOutputs):
         if config.speculative and config.deterministic and not runner.batch_invariant:
             raise ValueError("speculative with deterministic=True needs the batch-invariant CPU "
                              "kernels (rows run alone without them)")
-        self.spec = (Speculator(config, runner, self.lora.prepare) if config.speculative
-                     else None)
+        self.spec = (Speculator(config, runner, self.lora.prepare, serving.label)
+                     if config.speculative else None)
         self.generator = torch.Generator(device=runner.device).manual_seed(config.seed)
         self.ratio = NewTokenRatio()
         self.waiting: list[Req] = []
@@ -322,6 +322,7 @@ class Scheduler(SchedulerControl, StepOutputs):
         self.running.remove(req)
         self._keep_routes(req)
         self.kv.release(req)
+        req.spec_state = None  # a learned draft's KV went with the request's
         req.prefill_done = False
         req.token_scores = []  # a scored request computes every position again
         req.num_retractions += 1
@@ -397,10 +398,11 @@ class Scheduler(SchedulerControl, StepOutputs):
                 1 + (p if isinstance(p, int) else len(p)) for p in plan]
             if self.kv.alloc(decode, lens) is not None:
                 self.ratio.step()
-                drafts = self._drafts(decode, plan)
+                drafts, sampled = self._drafts(decode, plan)
                 if plan is not None:
                     self.stats["spec_draft_s"] += time.perf_counter() - start
-                return [BatchRow(r, 1 + len(d), True, d) for r, d in zip(decode, drafts)]
+                return [BatchRow(r, 1 + len(d), True, d, s)
+                        for r, d, s in zip(decode, drafts, sampled)]
             if plan is not None:  # short of KV: no drafts this step before any retraction
                 plan = self.spec.skip()
                 continue
@@ -415,13 +417,14 @@ class Scheduler(SchedulerControl, StepOutputs):
         return []
 
     def _drafts(self, decode: list[Req], plan: list[list[int]] | list[int] | None
-                ) -> list[list[int]]:
-        """The drafted tokens of each decode row (rows hold their slots now)."""
+                ) -> tuple[list[list[int]], list[Any]]:
+        """The drafted tokens of each decode row (rows hold their slots now), and its sampled
+        draft where it drew them from a learned draft's distribution."""
         if plan is None:
-            return [[] for _ in decode]
-        if self.spec.kind == "self":
-            return self.spec.propose(decode, plan)
-        return plan
+            return [[] for _ in decode], [None] * len(decode)
+        if self.spec.kind == "ngram":
+            return plan, [None] * len(decode)
+        return self.spec.propose(decode, plan, self.generator)
 
     def _reserved_tokens(self) -> int:
         return int(sum(r.remaining_new_tokens for r in self.running) * self.ratio.value)

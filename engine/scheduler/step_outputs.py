@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotswap.engine.core.request import FinishReason, Req
+from hotswap.engine.executor.sampling import SampledChecks
 from hotswap.engine.executor.sampling_batch_info import SamplingBatchInfo
 from hotswap.engine.scheduler.schedule_batch import BatchRow, ScheduleBatch
 from hotswap.engine.speculative.verify import accepted_length
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from hotswap.engine.lora.manager import LoRAManager
     from hotswap.engine.scheduler.kv_manager import KVManager
     from hotswap.engine.scheduler.output import OutputProcessor
+    from hotswap.engine.speculative.speculator import Speculator
 
 
 class StepOutputs:
@@ -34,6 +36,7 @@ class StepOutputs:
     generator: torch.Generator
     stats: dict[str, float]
     never_sampled: tuple[int, ...]  # a vision-language model's vision tokens
+    spec: Speculator | None
 
     @staticmethod
     def _sampled_reqs(rows: list[BatchRow]) -> list[Req]:
@@ -47,10 +50,11 @@ class StepOutputs:
                 self.kv.cache_unfinished(row.req)
         rows, logits = self._fail_non_finite(batch.sampling_rows, logits, version)
         # (request, its first logits row, its draft); forked samples read their leader's row
-        entries, first = [], 0
+        entries, first, sampled = [], 0, []
         for row in rows:
             entries.append((row.req, first, row.draft))
             first += 1 + len(row.draft)
+            sampled.append(row.sampled)
         for req, i, _ in list(entries):
             if not req.prefill_done:
                 req.prefill_done = True
@@ -59,8 +63,10 @@ class StepOutputs:
         if not entries:
             return
         # One sampling row per position: position j of a verify row has seen draft[:j].
-        reqs, take, outputs, steps = [], [], [], []
-        for req, i, draft in entries:
+        reqs, take, outputs, steps, checks = [], [], [], [], []
+        for (req, i, draft), drawn in zip(entries, sampled + [None] * len(entries)):
+            if drawn is not None:
+                checks += [(len(take) + j, draft[j], drawn, j) for j in range(len(draft))]
             for j in range(len(draft) + 1):
                 reqs.append(req)
                 take.append(i + j)
@@ -77,7 +83,8 @@ class StepOutputs:
         top_k = max(r.top_logprobs_num for r in reqs)
         want_logprob = any(r.return_logprob for r in reqs)
         out = self.sampler.sample(logits, info, return_logprob=want_logprob,
-                                  top_logprobs_num=top_k, generator=self.generator)
+                                  top_logprobs_num=top_k, generator=self.generator,
+                                  checks=self._sampled_checks(checks))
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if want_logprob else [0.0] * len(reqs)
         tops = self._top_lists(out, reqs)
@@ -87,6 +94,18 @@ class StepOutputs:
             self._emit(req, draft, next_ids[pos: pos + n], logprobs[pos: pos + n],
                        tops[pos: pos + n], version)
             pos += n
+
+    @staticmethod
+    def _sampled_checks(checks: list[tuple[int, int, Any, int]]) -> SampledChecks | None:
+        """The positions of the step's sampled drafts: (sampling row, token, SampledDraft,
+        position in the draft) each."""
+        if not checks:
+            return None
+        rows, tokens, drawn, at = zip(*checks)
+        return SampledChecks(torch.tensor(rows), torch.tensor(tokens),
+                             torch.stack([d.q[j] for d, j in zip(drawn, at)]),
+                             torch.stack([d.index[j] for d, j in zip(drawn, at)]),
+                             drawn[0].token_map)
 
     def _process_scores(self, batch: ScheduleBatch, scores: torch.Tensor, version: str) -> None:
         """A reward model's step: each classify row takes its rows of `scores`, and a request
@@ -141,6 +160,8 @@ class StepOutputs:
             self.stats["spec_verify_steps"] += 1
             self.stats["spec_draft_tokens"] += len(draft)
             self.stats["spec_accepted_tokens"] += kept
+            if self.spec is not None:
+                self.spec.verified(len(draft), kept)
             # KV of verified tokens only: every token but the newest (which has none yet)
             self.kv.truncate(req, len(req.prompt_ids) + len(req.output_ids) - 1)
         if reason is not None:

@@ -113,6 +113,8 @@ class DraftLengths:
         return self.buckets[bucket(batch)].best
 
     def table(self) -> dict[int, dict[str, object]]:
-        """Per bucket: the best length and the last measured tokens/s by length."""
-        return {k: {"best": b.best, **{str(d): round(r, 1) for d, r in sorted(b.rates.items())}}
-                for k, b in sorted(self.buckets.items())}
+        """Per bucket: the best length and the last measured tokens/s by length (any thread:
+        copies of the dicts, which the scheduler thread may grow meanwhile)."""
+        return {k: {"best": b.best,
+                    **{str(d): round(r, 1) for d, r in sorted(list(b.rates.items()))}}
+                for k, b in sorted(list(self.buckets.items()))}

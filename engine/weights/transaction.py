@@ -279,7 +279,10 @@ class Transactions:
         self.serving.epoch += 1
         epoch = self.serving.epoch
         self.scheduler.retire_namespaces(lambda ns: ns.weight_epoch != epoch)
-        self.damaged -= set(written)
+        written = set(written)
+        self.damaged -= written
+        if self.scheduler.spec is not None:  # a learned draft: current or stale from now on
+            self.scheduler.spec.weights_served(version, written)
         if not self.damaged:
             self.incomplete = None
 
