@@ -44,6 +44,7 @@ class EngineCollector(Collector):
                                 "Drafted tokens kept per verify row, since start",
                                 value=stats.get("spec_accepted_tokens", 0) / verify
                                 if verify else 0.0)
+        yield from self._draft_metrics(load.get("speculative"))
         prompt = stats.get("prompt_tokens", 0)
         yield GaugeMetricFamily("hotswap_cache_hit_rate",
                                 "Share of submitted prompt tokens found in the prefix cache",
@@ -54,6 +55,21 @@ class EngineCollector(Collector):
                                 value=load["waiting"])
         yield from self._kv_metrics(load)
         yield from self._weight_metrics()
+
+    @staticmethod
+    def _draft_metrics(spec: dict[str, Any] | None) -> Iterator[Metric]:
+        """A learned draft's state: drafting or switched off (acceptance under the floor),
+        made for the serving policy or an older one, and its live acceptance."""
+        if spec is None or "draft_version" not in spec:
+            return
+        yield GaugeMetricFamily("hotswap_spec_draft_active", "1 while the learned draft "
+                                "drafts, 0 once its acceptance fell under the floor",
+                                value=float(spec["active"]))
+        yield GaugeMetricFamily("hotswap_spec_draft_stale", "1 while the learned draft was "
+                                "made for an older policy version", value=float(spec["stale"]))
+        yield GaugeMetricFamily("hotswap_spec_draft_acceptance", "Drafted tokens kept per "
+                                "drafted token since the draft or the policy last changed",
+                                value=spec["acceptance"] or 0.0)
 
     def _kv_metrics(self, load: dict[str, Any]) -> Iterator[Metric]:
         size, used = load["kv_pool_tokens"], load["kv_used_tokens"]
