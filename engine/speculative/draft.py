@@ -9,9 +9,14 @@ computed from the policy's states; each step first catches up over the positions
 since (the prompt, at first), in one forward for the whole batch, then chains: every further
 drafted position consumes the draft's own guess of the state before it.
 
-Rows that sample over the whole vocabulary without a seed draw their drafts from the draft's
-distribution q at the row's temperature and are verified by the min(1, p/q) rule (verify.py);
-greedy, seeded and truncated rows propose the draft's argmax and keep the point-mass rule.
+How a row drafts (verify.py has the rules):
+- sampled over the whole vocabulary without a seed: a draw from the draft's distribution q at
+  the row's temperature, verified by the min(1, p/q) rule;
+- the same with a seed: the inverse CDF of q (vocabulary order) at the very uniform the target
+  draws that position with (seeded_uniform(seed, step)), verified by the point-mass rule: where
+  q is close to p the two inverse CDFs mostly land on the same token, and the row still emits
+  exactly the tokens its seed gives without speculation (invariant 6);
+- greedy or truncated (top-k / top-p / min-p): the draft's argmax, point-mass rule.
 
 The draft's tensors are `draft.*` weights of the policy: an update that writes them makes the
 draft current with the version it commits; one that does not leaves it stale (made for an
@@ -30,6 +35,7 @@ import torch
 from hotswap.engine.attention import get_backend_class
 from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.core.request import Req
+from hotswap.engine.core.sampling_params import seeded_uniform
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.kvcache.memory import KVPool
 
@@ -57,13 +63,14 @@ class DraftState:
     kv_len: int = 0
 
 
-def samples_drafts(req: Req, vocab: int) -> bool:
-    """Whether `req`'s drafts are drawn from q: its row is sampled over the whole vocabulary
-    without a seed. A seeded row keeps the point-mass rule, so its seed still reproduces plain
-    decoding's tokens."""
+GREEDY, SAMPLED, COUPLED = 0, 1, 2  # how a row drafts (the module docstring)
+
+
+def draft_mode(req: Req, vocab: int) -> int:
     p = req.params
-    return (not p.is_greedy and p.seed is None and (p.top_k <= 0 or p.top_k >= vocab)
-            and p.top_p >= 1.0 and p.min_p <= 0.0)
+    whole = (not p.is_greedy and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0
+             and p.min_p <= 0.0)
+    return GREEDY if not whole else SAMPLED if p.seed is None else COUPLED
 
 
 class LearnedDraft:
@@ -101,7 +108,7 @@ class LearnedDraft:
         live = [i for i, d in enumerate(lengths) if d > 0]
         if not live:
             return drafts, sampled
-        draws = [samples_drafts(reqs[i], self.vocab) for i in live]
+        modes = [draft_mode(reqs[i], self.vocab) for i in live]
         qs: list[list[torch.Tensor]] = [[] for _ in live]
         picks: list[list[int]] = [[] for _ in live]
         guess = self._catch_up([reqs[i] for i in live], [lengths[i] for i in live])
@@ -112,7 +119,7 @@ class LearnedDraft:
                                     [drafts[live[k]][-1] for k in rows], guess, j)
             logits = self.model.logits(guess)
             index = self._draw(logits, [reqs[live[k]] for k in rows],
-                               [draws[k] for k in rows], qs, rows, generator)
+                               [modes[k] for k in rows], j, qs, rows, generator)
             tokens = self.model.token_map[index].tolist()
             for k, token, at in zip(rows, tokens, index.tolist()):
                 drafts[live[k]].append(token)
@@ -120,7 +127,7 @@ class LearnedDraft:
             keep = [n for n, k in enumerate(rows) if lengths[live[k]] > j + 1]
             guess = guess[keep] if len(keep) < len(rows) else guess
         for k, i in enumerate(live):
-            if draws[k]:
+            if modes[k] == SAMPLED:
                 sampled[i] = SampledDraft(torch.stack(qs[k]), torch.tensor(picks[k]),
                                           self.model.token_map)
         return drafts, sampled
@@ -167,21 +174,30 @@ class LearnedDraft:
         return self.model(embeds, features, fb)
 
     @staticmethod
-    def _draw(logits: torch.Tensor, reqs: list[Req], draws: list[bool],
+    def _draw(logits: torch.Tensor, reqs: list[Req], modes: list[int], j: int,
               qs: list[list[torch.Tensor]], rows: list[int],
               generator: torch.Generator | None) -> torch.Tensor:
-        """Each row's drafted index into the token map: a draw from q = softmax(logits / T)
-        where the row samples its drafts (q kept for verification), else the argmax."""
+        """Each row's drafted index into the token map at draft position j (the module
+        docstring); SAMPLED rows keep their q for verification."""
         index = logits.argmax(dim=-1)
-        picked = [n for n, w in enumerate(draws) if w]
-        if picked:
-            at = torch.tensor(picked, device=logits.device)
-            temps = torch.tensor([reqs[n].params.temperature for n in picked],
-                                 dtype=torch.float32, device=logits.device)
-            q = torch.softmax(logits[at] / temps[:, None], dim=-1)
-            index[at] = torch.multinomial(q, 1, generator=generator).squeeze(1)
-            for n, row in zip(picked, q):
-                qs[rows[n]].append(row)
+        picked = [n for n, m in enumerate(modes) if m != GREEDY]
+        if not picked:
+            return index
+        at = torch.tensor(picked, device=logits.device)
+        temps = torch.tensor([reqs[n].params.temperature for n in picked],
+                             dtype=torch.float32, device=logits.device)
+        q = torch.softmax(logits[at] / temps[:, None], dim=-1)
+        drawn = torch.multinomial(q, 1, generator=generator).squeeze(1)
+        for k, n in enumerate(picked):
+            if modes[n] == SAMPLED:
+                index[n] = drawn[k]
+                qs[rows[n]].append(q[k])
+            else:  # the target's own uniform for this position: see the module docstring
+                req = reqs[n]
+                u = seeded_uniform(req.params.seed, len(req.output_ids) + j)
+                cdf = q[k].double().cumsum(0)
+                index[n] = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(
+                    max=len(cdf) - 1)
         return index
 
     # freshness and acceptance

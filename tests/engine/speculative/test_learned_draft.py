@@ -72,6 +72,46 @@ def test_greedy_equals_plain(model_path, page_size):
         assert max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b))) < 1e-5
 
 
+def test_seeded_sampling_equals_plain(model_path):
+    """Seeded rows draft with their own uniforms (the inverse CDF of q) under the point-mass
+    rule: the same tokens as without speculation."""
+    params = [{"max_new_tokens": 32, "temperature": t, "ignore_eos": True, "seed": 7 + i}
+              for i, t in enumerate((1.0, 0.7, 1.3))]
+    with make_engine(model_path) as engine:
+        plain = generate(engine, PROMPTS, params)
+    with draft_engine(model_path) as engine:
+        pin_length(engine, 3)
+        got = generate(engine, PROMPTS, params)
+        totals = engine.get_load()["totals"]
+    assert totals["spec_draft_tokens"] > 0
+    for a, b in zip(plain, got):
+        assert a["output_ids"] == b["output_ids"]
+        assert max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b))) < 1e-5
+
+
+def test_a_coupled_draft_is_the_targets_draw_when_q_is_p():
+    """A seeded row's draft is the inverse CDF of q at the uniform the target draws that
+    position with: for q = p it is the target's own token (every draft kept)."""
+    from types import SimpleNamespace
+
+    from hotswap.engine.core.sampling_params import SamplingParams
+    from hotswap.engine.executor.sampling import Sampler
+    from hotswap.engine.executor.sampling_batch_info import SamplingBatchInfo
+
+    vocab, agree = 64, 0
+    for seed in range(200):
+        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+        params = SamplingParams(temperature=0.8, seed=seed)
+        req = SimpleNamespace(params=params, output_ids=[5, 6, 7])
+        drafted = draft_module.LearnedDraft._draw(logits, [req], [draft_module.COUPLED], 2,
+                                                  [[]], [0], None)
+        info = SamplingBatchInfo.build([params], [[5, 6, 7, 9, 9]], [[1]], [3 + 2], (2,),
+                                       vocab, "cpu", ())
+        target = Sampler().sample(logits, info).next_token_ids
+        agree += int(drafted) == int(target)
+    assert agree >= 198  # a float64 CDF against the sampler's blocked one: ties at the edges
+
+
 def test_drafts_are_the_reference_drafts(model_path, monkeypatch):
     """Each step's q (sampled rows) equals DraftNet's chain over HF's states: the teacher-forced
     level at the request's last token, then level j + 1 over the drafted tokens."""
