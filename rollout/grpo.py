@@ -129,9 +129,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tis-mode", choices=MODES, default="token",
                    help="--tis: token (truncated) or sequence (drop sequences whose ratio "
                         "leaves [1/C, C])")
-    p.add_argument("--speculative", choices=["ngram", "self"], default=None,
+    p.add_argument("--speculative", choices=["ngram", "self", "draft"], default=None,
                    help="speculative decoding in the engine (docs/api.md#speculative-decoding); "
-                        "the table's 'spec acc' column: drafted tokens kept per verify step")
+                        "the table's 'spec acc' column: drafted tokens kept per verify step. "
+                        "draft: the learned draft in MODEL/draft (python -m "
+                        "hotswap.engine.speculative.train_draft MODEL makes it), trained beside "
+                        "the policy and pushed with it")
+    p.add_argument("--freeze-draft", action="store_true",
+                   help="--speculative draft: keep the warm-start draft (no training, no push "
+                        "of its tensors: it goes stale)")
     p.add_argument("--exact-logprobs", action="store_true",
                    help="deterministic (batch-invariant) engine and the trainer's exact forward: "
                         "its logprobs equal the engine's bit for bit, |dlogp| = 0 "
@@ -231,7 +237,7 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
         trainer = Trainer(path, args.lr, args.clip, args.temperature, args.micro_batch,
                           args.dtype, pad_id=client.tokenizer.pad_token_id or 0, tis=args.tis,
                           tis_mode=args.tis_mode, micro_positions=args.micro_positions,
-                          exact=args.exact_logprobs)
+                          exact=args.exact_logprobs, draft=draft_trainer(args, path))
         tracker = Tracker(project=args.wandb_project, dir=args.wandb_dir, config=vars(args),
                           total_steps=args.steps, console=not args.quiet)
         fleet = (f", {args.replicas} Ray replicas" if args.fleet == "ray" else "")
@@ -273,6 +279,20 @@ def run(args: argparse.Namespace, reward: Any = None) -> dict[str, Any]:
     plot = draw(run_dir)
     print(f"plot written to {plot}", flush=True)
     return {"history": history, "run_dir": run_dir, "wall_s": wall, "plot": plot}
+
+
+def draft_trainer(args: argparse.Namespace, path: str) -> Any:
+    """--speculative draft: how the Trainer makes the DraftTrainer of MODEL/draft (None: the
+    draft is not trained, with --freeze-draft or another --speculative)."""
+    if args.speculative != "draft" or args.freeze_draft:
+        return None
+    from hotswap.engine.speculative.train_draft import DraftTrainer, load_draft
+
+    def make(model: torch.nn.Module) -> DraftTrainer:
+        net, config = load_draft(os.path.join(path, "draft"), model.config)
+        return DraftTrainer(model, config["token_map"], temperature=args.temperature, net=net)
+
+    return make
 
 
 def model_rewards(args: argparse.Namespace, engines: ExitStack, own: Any) -> Any:

@@ -33,7 +33,7 @@ COLUMNS = [
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
     ("mismatch/tis_truncated", "tis cut", 7, ".3f"),
     ("time/rollout_s", "roll s", 6, ".1f"), ("time/reward_s", "rew s", 5, ".2f"),
-    ("time/train_s", "train s", 7, ".1f"),
+    ("time/train_s", "train s", 7, ".1f"), ("time/draft_train_s", "draft s", 7, ".2f"),
     ("time/weight_sync_s", "sync s", 6, ".2f"),
     ("sync/sent_mb", "sent MB", 8, ".1f"),
     ("sync/changed_fraction", "changed", 8, ".2%"),

@@ -16,6 +16,12 @@ rollout/exact_forward.py instead, whose logprobs equal a deterministic engine's 
 A vision-language checkpoint (config.json with a vision_config) is loaded as HF's
 AutoModelForImageTextToText and scored one sample per forward with its images
 (rollout/vision_forward.py).
+
+With a learned draft (the GRPO job's --speculative draft), each step also trains the draft
+(engine/speculative/train_draft.py's DraftTrainer) on the decoder states the policy's forward
+computed anyway, detached, one sequence per sample (prompt + response) with the loss on the
+positions that predict a response token; `named_weights` then carries its `draft.*` tensors, so
+the push that brings the new policy brings the draft trained beside it, under one version.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -193,14 +199,6 @@ def unit_routes(batch: RolloutBatch, pieces: list[tuple[int, int, int, int]],
     return out
 
 
-def packed_logprobs(model: torch.nn.Module, packed: Packed, temperature: float,
-                    route_stats: dict[str, int] | None = None) -> torch.Tensor:
-    """log p of every packed trainable token, [tokens]: the decoder over the packed sequences,
-    then the LM head and the log-softmax on the positions that predict a trainable token only.
-    Under routing replay the forward routes every token to the engine's experts."""
-    return token_logprobs(model, packed_hidden(model, packed, route_stats), packed, temperature)
-
-
 def packed_hidden(model: torch.nn.Module, packed: Packed,
                   route_stats: dict[str, int] | None = None) -> torch.Tensor:
     """The decoder's last hidden states, [units, length, hidden]."""
@@ -227,7 +225,8 @@ class Trainer:
 
     def __init__(self, path: str, lr: float, clip: float, temperature: float,
                  micro_batch: int, dtype: str, pad_id: int, tis: float | None = None,
-                 tis_mode: str = "token", micro_positions: int = 4096, exact: bool = False):
+                 tis_mode: str = "token", micro_positions: int = 4096, exact: bool = False,
+                 draft: Callable[[torch.nn.Module], Any] | None = None):
         import transformers
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
@@ -254,6 +253,11 @@ class Trainer:
         self.pack_width = 4.5 * self.model.config.get_text_config().hidden_size
         # the engine's kernels over this model's parameters (deterministic engines only)
         self.exact = ExactForward(self.model) if exact else None
+        # a learned draft's DraftTrainer, made from this model, and what a step gives it
+        if draft is not None and vision:
+            raise ValueError("a learned draft: not for vision-language models")
+        self.draft = draft(self.model) if draft is not None else None
+        self._draft_inputs: list[tuple[Packed, torch.Tensor]] = []
 
     def units(self, batch: RolloutBatch) -> list[list[int]]:
         """The packed sequences of a batch: rows sharing a prompt, split where that is cheaper.
@@ -265,7 +269,8 @@ class Trainer:
                 for part in split_unit(batch, unit, self.pack_width)]
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+        named = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        return named + (self.draft.named_tensors() if self.draft is not None else [])
 
     def response_logprobs(self, batch: RolloutBatch, units: list[list[int]], r_len: int,
                           route_stats: dict[str, int]) -> torch.Tensor:
@@ -274,13 +279,20 @@ class Trainer:
             return self.vision.response_logprobs(batch, [i for unit in units for i in unit],
                                                  r_len, self.temperature)
         packed = pack(batch, units, self.pad_id, self.model.dtype)
+        hidden = None
         if self.exact is not None:
             seqs, index = segment_sequences(packed.input_ids, packed.position_ids,
                                             packed.segments)
             flat = self.exact.logprobs(seqs, index.flatten()[packed.source], packed.target,
                                        self.temperature)
         else:
-            flat = packed_logprobs(self.model, packed, self.temperature, route_stats)
+            hidden = packed_hidden(self.model, packed, route_stats)
+            flat = token_logprobs(self.model, hidden, packed, self.temperature)
+        if self.draft is not None:
+            if hidden is None:
+                with torch.no_grad():
+                    hidden = packed_hidden(self.model, packed)
+            self._draft_inputs.append((packed, hidden.detach()))
         out = torch.zeros((sum(map(len, units)), r_len), dtype=flat.dtype)
         return out.index_put((packed.row, packed.col), flat)
 
@@ -318,6 +330,7 @@ class Trainer:
             sums["loss"] += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0).item()
         self.optim.step()
+        draft_metrics = self._train_draft()
         n = total.item()
         metrics = {"mismatch/abs_diff": sums["abs_diff"] / n, "mismatch/kl": sums["kl"] / n,
                    "train/clip_fraction": sums["clipped"] / n, "train/loss": sums["loss"],
@@ -326,4 +339,40 @@ class Trainer:
             metrics["mismatch/tis_truncated"] = sums["truncated"] / n
         if routes.get("replayed"):  # routing replay: how often the trainer would have differed
             metrics["mismatch/routes_differ"] = routes["differ"] / routes["replayed"]
-        return metrics
+        return {**metrics, **draft_metrics}
+
+    def _train_draft(self) -> dict[str, float]:
+        """One step of the learned draft on this step's states (module docstring)."""
+        inputs, self._draft_inputs = self._draft_inputs, []
+        if self.draft is None or not inputs:
+            return {}
+        ids, features, mask, valid = draft_sequences(inputs)
+        out = self.draft.step(ids, features, None, mask, attention_mask=valid)
+        return {"draft/loss": out["loss"], "draft/acceptance_est": out["acceptance_estimate"],
+                "time/draft_train_s": out["seconds"]}
+
+
+def draft_sequences(inputs: list[tuple[Packed, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample of the packed units as its own sequence, prompt + response (without its last
+    token, as packed), right-padded: ids [S, L], states [S, L, H], the loss mask of the
+    positions predicting a response token (from the prompt's last on), and where the sequences
+    are."""
+    seqs = []
+    for packed, hidden in inputs:
+        for n, segments in enumerate(packed.segments):
+            prompt = (segments == 0).nonzero().squeeze(1)
+            for k in range(1, int(segments.max()) + 1):
+                index = torch.cat((prompt, (segments == k).nonzero().squeeze(1)))
+                seqs.append((packed.input_ids[n, index], hidden[n, index], len(prompt)))
+    length = max(len(ids) for ids, _, _ in seqs)
+    ids = torch.zeros((len(seqs), length), dtype=torch.long)
+    valid = torch.zeros((len(seqs), length), dtype=torch.bool)
+    features = torch.zeros((len(seqs), length, seqs[0][1].shape[-1]), dtype=seqs[0][1].dtype)
+    mask = torch.zeros((len(seqs), length), dtype=torch.bool)
+    for i, (seq_ids, states, prompt) in enumerate(seqs):
+        ids[i, :len(seq_ids)] = seq_ids
+        valid[i, :len(seq_ids)] = True
+        features[i, :len(seq_ids)] = states
+        mask[i, prompt - 1: len(seq_ids)] = True
+    return ids, features, mask, valid
