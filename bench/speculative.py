@@ -1,7 +1,8 @@
 """Speculative decoding: tok/s with each draft kind against no speculation, same run.
 
 python bench/speculative.py [--dtype auto] [--workloads 1,edit,tail,64] [--repeats 3]
-                            [--temperature 1.0] [--drafts ngram,self]
+                            [--temperature 1.0] [--drafts ngram,self] [--unseeded]
+python bench/speculative.py --draft [--drift 10]   # the learned draft (MODEL/draft)
 (1) batch 1: chat prompts one at a time, 128 new tokens; goal for the self-draft >= 1.4x.
 (edit) batch 1: "rewrite this text with one change" prompts, whose answer repeats the input,
 256 new tokens at most (eos ends them); goal for n-gram drafts >= 2x.
@@ -19,6 +20,15 @@ drafted tokens kept, and the verify steps' share of decode rows.
 Then the costs that decide whether a draft pays, at batch 1 on workload (1)'s first prompt and
 on (edit)'s, with the draft length pinned: seconds per decode step (drafting included) against a
 plain step, drafting seconds per drafted token, and tokens emitted per step.
+
+--draft: the learned draft (speculative="draft", made by python -m
+hotswap.engine.speculative.train_draft MODEL) beside no speculation, on (1), (tail) and (64);
+goals: >= 1.5x at batch 1, >= 1.3x on the tail, >= 0.97x at batch 64, >= 2.0 tokens per verify
+step (kept drafts + the target's own token). Requests are seeded as above (a seeded row drafts
+the inverse CDF of q at the target's own uniform); --unseeded drops the seeds (rows then draw
+from q and are verified by min(1, p/q)). --drift N then runs the GRPO main job for N steps
+twice, the draft trained beside the policy and the draft frozen (--freeze-draft), and prints
+each step's drafted tokens kept per drafted token in both.
 """
 
 from __future__ import annotations
@@ -67,11 +77,12 @@ def chat(tokenizer, content: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def workloads(tokenizer, chosen: str, temperature: float) -> dict[str, list[tuple[list, list]]]:
+def workloads(tokenizer, chosen: str, temperature: float, seeded: bool = True
+              ) -> dict[str, list[tuple[list, list]]]:
     """name -> calls, each (prompts, per-prompt sampling params) given to one generate()."""
     def params(new: int, ignore_eos: bool = True, n: int = 1) -> dict:
         return {"max_new_tokens": new, "temperature": temperature, "ignore_eos": ignore_eos,
-                "n": n, "seed": 11}
+                "n": n, "seed": 11 if seeded else None}
 
     chats = [chat(tokenizer, f"Write a short story about {t}.") for t in TOPICS]
     edits = [chat(tokenizer, f"{EDITS[i]} in this text, and write out the whole text:\n\n"
@@ -83,7 +94,8 @@ def workloads(tokenizer, chosen: str, temperature: float) -> dict[str, list[tupl
         # n=8 groups where sample 7 of each group is 6.7x longer: per-sample lengths, so the
         # samples go as 64 single requests of one call (seeds differ by sample)
         "tail": lambda: [([p for p in grpo for _ in range(8)],
-                          [{**params(320 if j == 7 else 48), "seed": 100 * i + j}
+                          [{**params(320 if j == 7 else 48),
+                            "seed": 100 * i + j if seeded else None}
                            for i in range(8) for j in range(8)])],
         "64": lambda: [([chats[i % 16] + [i % 7 + 100] for i in range(64)], [params(64)] * 64)],
     }
@@ -136,23 +148,35 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--self-layers", type=int, default=None,
                         help="speculative_self_layers (default: calibrated)")
+    parser.add_argument("--draft", action="store_true",
+                        help="the learned draft: --drafts draft --workloads 1,tail,64")
+    parser.add_argument("--unseeded", action="store_true", help="requests without seeds")
+    parser.add_argument("--drift", type=int, default=0, metavar="STEPS",
+                        help="with --draft: the GRPO job's STEPS steps, draft trained / frozen")
     args = parser.parse_args()
+    if args.draft:
+        args.drafts = "draft"
+        if args.workloads == parser.get_default("workloads"):
+            args.workloads = "1,tail,64"
     path = ensure_model(args.model_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     kinds = ["off"] + args.drafts.split(",")
     options = {"off": {}, "ngram": {"speculative": "ngram"},
                "self": {"speculative": "self",
-                        "speculative_self_layers": args.self_layers}}
+                        "speculative_self_layers": args.self_layers},
+               "draft": {"speculative": "draft"}}
     ctx = mp.get_context("spawn")
     engines = {k: ctx.Pool(1, initializer=_start_engine, initargs=(path, args.dtype, options[k]))
                for k in kinds}
-    chosen = workloads(tokenizer, args.workloads, args.temperature)
+    chosen = workloads(tokenizer, args.workloads, args.temperature, not args.unseeded)
     print(f"model {path}, dtype {args.dtype}, temperature {args.temperature}, "
+          f"{'unseeded' if args.unseeded else 'seeded'} requests, "
           f"{args.repeats} timed repeats after one untimed pass")
     for calls in chosen.values():  # the untimed pass: draft lengths learnt per batch size
         for k in kinds:
             engines[k].apply(run, (calls,))
-    goals = {"1": ("self", 1.4), "edit": ("ngram", 2.0), "tail": (None, 1.3), "64": (None, 0.95)}
+    goals = {"1": ("draft", 1.5) if args.draft else ("self", 1.4), "edit": ("ngram", 2.0),
+             "tail": (None, 1.3), "64": (None, 0.97 if args.draft else 0.95)}
     head = "".join(f"{k:>12}" for k in kinds)
     print(f"{'workload':<9}{head}   ratios vs off (goal); kept drafts per verify step, "
           f"kept share, verify share of decode rows")
@@ -176,7 +200,8 @@ def main() -> None:
             tokens = sum(r["tokens"] for r in results[k])
             mark = "" if goal is None or goal_kind not in (None, k) else f" (goal {goal}x)"
             notes.append(f"{k} {ratio:.2f}x{mark} "
-                         f"{kept / verify if verify else 0:.2f}/step, "
+                         f"{kept / verify if verify else 0:.2f}/step "
+                         f"({(kept + verify) / verify if verify else 0:.2f} tok/verify), "
                          f"{kept / drafted if drafted else 0:.0%} kept, "
                          f"{verify / max(1, tokens - kept):.0%} verify")
         unit = "batch/s" if name == "tail" else "tok/s"
@@ -209,6 +234,45 @@ def main() -> None:
                   flush=True)
     for pool in engines.values():
         pool.close()
+    if args.drift:
+        drift(path, args.drift, args.temperature)
+
+
+def drift(path: str, steps: int, temperature: float) -> None:
+    """The GRPO main job for `steps` steps with the learned draft, trained beside the policy and
+    frozen: per step, drafted tokens kept per drafted token (the engine's counters)."""
+    from hotswap.rollout import grpo
+
+    rates: dict[str, list[float]] = {}
+    seconds: dict[str, list[float]] = {}
+    train_and_push = grpo.train_and_push
+    for name, extra in (("trained", []), ("frozen", ["--freeze-draft"])):
+        last = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        rates[name], seconds[name] = [], []
+
+        def spy(args, step, batch, trainer, handle, client, last=last, name=name):
+            totals = handle.backend.get_load()["totals"]  # the batch this step trains on
+            drafted = totals["spec_draft_tokens"] - last["spec_draft_tokens"]
+            kept = totals["spec_accepted_tokens"] - last["spec_accepted_tokens"]
+            last.update(totals)
+            rates[name].append(kept / drafted if drafted else float("nan"))
+            metrics = train_and_push(args, step, batch, trainer, handle, client)
+            seconds[name].append(metrics.get("time/draft_train_s", 0.0))
+            return metrics
+
+        grpo.train_and_push = spy
+        try:
+            grpo.run(grpo.parse_args(["--model-path", path, "--steps", str(steps),
+                                      "--speculative", "draft", "--quiet",
+                                      "--temperature", str(temperature)] + extra))
+        finally:
+            grpo.train_and_push = train_and_push
+    print(f"drift over {steps} GRPO steps: drafted tokens kept per drafted token, per step")
+    for name in rates:
+        first, end = rates[name][0], statistics.mean(rates[name][-3:])
+        print(f"  {name:<8} " + " ".join(f"{r:.3f}" for r in rates[name])
+              + f"   last 3 / first: {end / first:.2f}; draft training "
+              f"{statistics.mean(seconds[name]):.2f} s/step")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,8 @@ class SchedulerControl:
             if "kv_cache" in tags and self.runner.kv_pool.allocated:
                 self._reset_kv()
                 self.runner.kv_pool.release()
+                if self.spec is not None:
+                    self.spec.memory(release=True)
             return {"success": True, "message": f"released {', '.join(tags)}"}
 
         return self.run(on_thread)
@@ -225,6 +227,8 @@ class SchedulerControl:
         def on_thread() -> dict:
             if "kv_cache" in tags and not self.runner.kv_pool.allocated:
                 self.runner.kv_pool.allocate()
+                if self.spec is not None:
+                    self.spec.memory(release=False)
             return {"success": True, "message": f"resumed {', '.join(tags)}"}
 
         return self.run(on_thread)

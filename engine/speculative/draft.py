@@ -225,6 +225,17 @@ class LearnedDraft:
             self.off_reason = None
         self.drafted = self.kept = 0
 
+    def memory(self, release: bool) -> None:
+        """Free this draft's KV and the stored states with the KV pool, or allocate them."""
+        runner = self.runner
+        if release:
+            self.kv.release()
+            runner.features = runner.features.new_empty((0, runner.features.shape[1]))
+        else:
+            self.kv.allocate()
+            runner.features = runner.features.new_zeros((self.kv.num_slots,
+                                                         runner.features.shape[1]))
+
     def describe(self) -> dict[str, Any]:
         return {"draft_version": self.version, "stale": self.version != self.serving,
                 "active": self.active, "off_reason": self.off_reason,

@@ -1,16 +1,8 @@
-"""Warm start of the learned draft: distil it from the policy's own generations, on CPU.
+"""The warm-start draft's data: prompts, the policy's features over its rollouts, the draft's
+vocabulary and padded batches (engine/draft_warm_start.py samples the rollouts and trains).
 
-    python -m hotswap.engine.speculative.train_draft MODEL_PATH [--out DIR] [--minutes 5]
-        [--samples N] [--max-new-tokens 128] [--temperature 1.0] [--vocab 8192] [--seed 0]
-
-1. sample the policy at the temperature on the GRPO main job's prompts (single-digit addition,
-   chat template) mixed with generic chat prompts; 2. compute its features F (after the final
-   norm) and the full-vocab logsumexp of its logits; 3. pick the draft vocabulary: the tokens it
-   emits most, plus EOS; 4. train (10% of sequences held out), printing loss, one-step acceptance
-   and the k=4 chained accepted length per epoch; 5. save beside the model (MODEL_PATH/draft).
-
-Rollouts come from HF transformers' sampler, not the hotswap Engine: speculative/ sits below
-the Engine in the import order (tests/test_layout.py), and the samples are the same policy's.
+Prompts follow the GRPO main job (rollout/tasks.py: single-digit addition under the chat
+template) with a quarter of generic chat prompts, whose longer answers carry most tokens.
 """
 
 from __future__ import annotations
@@ -70,35 +62,6 @@ def encode_chat(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:
     return [int(t) for t in ids]
 
 
-@torch.no_grad()
-def sample_rollouts(model: Any, prompts: list[list[int]], max_new_tokens: int,
-                    temperature: float, seed: int, rows: int = 32
-                    ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) per prompt: pure sampling at `temperature` (no top-k/top-p),
-    stopping at the model's EOS."""
-    torch.manual_seed(seed)
-    eos = eos_ids(model)
-    pad = eos[0] if eos else 0
-    out = []
-    for start in range(0, len(prompts), rows):
-        group = prompts[start:start + rows]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
-                             temperature=temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                             pad_token_id=pad)
-        for p, row in zip(group, gen[:, width:].tolist()):
-            response = []
-            for t in row:
-                response.append(t)
-                if t in eos:
-                    break
-            out.append((p, response))
-    return out
-
-
 def eos_ids(model: Any) -> list[int]:
     ids: set[int] = set()
     for cfg in (model.config, getattr(model, "generation_config", None)):
@@ -110,20 +73,23 @@ def eos_ids(model: Any) -> list[int]:
 @torch.no_grad()
 def policy_samples(model: Any, rollouts: list[tuple[list[int], list[int]]], temperature: float,
                    rows: int = 16) -> list[Sample]:
-    """F and the full-vocab logsumexp of every sequence, `rows` sequences per forward."""
+    """F and the full-vocab logsumexp of every sequence (in the rollouts' order), `rows`
+    sequences of similar length per forward."""
     decoder, head = model.get_decoder(), model.get_output_embeddings().weight
-    samples = []
-    for start in range(0, len(rollouts), rows):
-        group = [p + r for p, r in rollouts[start:start + rows]]
-        width = max(len(s) for s in group)
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in group])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in group])
+    order = sorted(range(len(rollouts)), key=lambda i: len(rollouts[i][0]) + len(rollouts[i][1]))
+    samples: dict[int, Sample] = {}
+    for start in range(0, len(order), rows):
+        group = order[start:start + rows]
+        seqs = [rollouts[i][0] + rollouts[i][1] for i in group]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
         feats = decoder(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-        for row, (p, _) in enumerate(rollouts[start:start + rows]):
-            n = len(group[row])
-            samples.append(Sample(ids[row, :n], len(p), feats[row, :n].clone(),
-                                  full_vocab_lse(feats[row, :n], head, temperature)))
-    return samples
+        for row, i in enumerate(group):
+            n = len(seqs[row])
+            samples[i] = Sample(ids[row, :n], len(rollouts[i][0]), feats[row, :n].clone(),
+                                full_vocab_lse(feats[row, :n], head, temperature))
+    return [samples[i] for i in range(len(rollouts))]
 
 
 def choose_token_map(rollouts: list[tuple[list[int], list[int]]], vocab_size: int, size: int,
@@ -180,11 +146,9 @@ class DistillationSet(NamedTuple):
     coverage: float  # share of sampled tokens inside token_map
 
 
-def distillation_set(model: Any, tokenizer: Any, samples: int, max_new_tokens: int,
+def distillation_set(model: Any, rollouts: list[tuple[list[int], list[int]]],
                      temperature: float, vocab: int, seed: int) -> DistillationSet:
-    """Sample the policy, compute its features, choose the draft vocabulary, split off 10%."""
-    prompts = [encode_chat(tokenizer, c) for c in prompt_chats(samples, seed)]
-    rollouts = sample_rollouts(model, prompts, max_new_tokens, temperature, seed)
+    """The policy's features over its rollouts, the draft vocabulary, 10% held out."""
     data = policy_samples(model, rollouts, temperature)
     token_map = choose_token_map(rollouts, model.config.vocab_size, vocab, eos_ids(model))
     kept = set(token_map)

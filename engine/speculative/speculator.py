@@ -87,6 +87,12 @@ class Speculator:
         if self.learned is not None:
             self.learned.weights_served(version, written)
 
+    def memory(self, release: bool) -> None:
+        """The KV pool was released (or allocated again): a learned draft's KV and stored
+        states go (come back) with it."""
+        if self.learned is not None:
+            self.learned.memory(release)
+
     def describe(self) -> dict[str, Any]:
         """The kind, the chosen draft length per batch-size bucket, and a learned draft's
         version, freshness and live acceptance."""

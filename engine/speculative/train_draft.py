@@ -10,15 +10,12 @@ draft's own G instead of F; `DraftNet.forward_levels` builds exactly that ("leve
 start position at once, which both trains the chain (training-time test) and measures it.
 
     python -m hotswap.engine.speculative.train_draft MODEL_PATH [--out DIR] [--minutes M] ...
-distils a draft from the policy's own generations (engine/speculative/draft_data.py).
+distils a draft from the policy's own generations (engine/draft_warm_start.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import random
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,7 +26,6 @@ from torch import nn
 
 from hotswap.engine.config.model import ModelConfig
 from hotswap.engine.layers.rotary import rope_inv_freq
-from hotswap.engine.speculative import draft_data
 from hotswap.engine.speculative.draft_checkpoint import (
     WEIGHTS_FILE,
     as_model_config,
@@ -38,7 +34,8 @@ from hotswap.engine.speculative.draft_checkpoint import (
     save_draft,
 )
 
-DEFAULT_VOCAB = 8192
+__all__ = ["DraftNet", "DraftTrainer", "EvalResult", "LossConfig", "evaluate", "load_draft",
+           "load_draft_config", "policy_weights_sha", "save_draft"]
 
 
 class RMSNorm(nn.Module):
@@ -205,24 +202,30 @@ class DraftNet(nn.Module):
                        head_weight: torch.Tensor, levels: int,
                        position_ids: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, *,
-                       embed_weight: torch.Tensor | None = None) -> list[DraftOutput]:
+                       embed_weight: torch.Tensor | None = None,
+                       with_logits: bool = True) -> list[DraftOutput]:
         """Levels 1..`levels`: level j at position t is step j of the chain that started at
         t - j + 1 (its input feature is level j-1's G at t - 1; level 0 is F). A level-j output
-        at t is meaningful only where the position is >= j - 1 (`chain_valid`)."""
+        at t is meaningful only where the position is >= j - 1 (`chain_valid`). Without
+        `with_logits` the logits are left empty (the caller takes `head_logits` where needed)."""
         layout = sequence_layout(input_ids, position_ids, attention_mask)
         embed = head_weight if embed_weight is None else embed_weight
         emb = F.embedding(input_ids, embed).float()
         freqs = layout.positions.unsqueeze(-1).float() * self.inv_freq
         rope = (freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1))
-        head = head_weight[self.token_map].float()
+        head = self.map_head(head_weight) if with_logits else None
         prev, past, outs = features.float(), [], []
         for level in range(1, levels + 1):
             z = self.fc(torch.cat([emb, shift_features(prev, layout)], dim=-1))
             g, kv = self.layer(z, rope, past, level_mask(layout, level))
             past.append(kv)
             prev = self.norm(g)
-            outs.append(DraftOutput(prev, prev @ head.T))
+            outs.append(DraftOutput(prev, prev @ head.T if head is not None else prev[..., :0]))
         return outs
+
+    def map_head(self, head_weight: torch.Tensor) -> torch.Tensor:
+        """The policy head's rows of the draft vocabulary, float32 [Vd, H]."""
+        return head_weight[self.token_map].float()
 
     def named_tensors(self, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
         return [("draft." + n, p.detach().to(dtype).clone()) for n, p in self.named_parameters()]
@@ -269,7 +272,8 @@ def draft_loss(net: DraftNet, batch: dict[str, torch.Tensor], head_weight: torch
     ids, feats = batch["input_ids"], batch["features"]
     layout = sequence_layout(ids, batch.get("position_ids"), batch.get("attention_mask"))
     outs = net.forward_levels(ids, feats, head_weight, cfg.levels, layout.positions,
-                              layout.valid, embed_weight=embed_weight)
+                              layout.valid, embed_weight=embed_weight, with_logits=False)
+    head = net.map_head(head_weight)
     loss_mask = batch["loss_mask"].bool() & layout.valid
     total, accept = feats.new_zeros(()).float(), feats.new_zeros(()).float()
     for level, out in enumerate(outs, start=1):
@@ -280,7 +284,7 @@ def draft_loss(net: DraftNet, batch: dict[str, torch.Tensor], head_weight: torch
         if len(where[0]) == 0:
             continue
         p_log = policy_target(batch, where, head_weight, net.token_map, cfg.temperature)
-        q_logits = out.logits[where]
+        q_logits = out.features[where] @ head.T
         ce = soft_cross_entropy(p_log, q_logits, cfg.temperature).mean()
         reg = F.smooth_l1_loss(out.features[where], feats[where].float())
         total = total + ce + cfg.reg_weight * reg
@@ -340,7 +344,7 @@ class DraftTrainer:
         torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
         self.optimizer.step()
         self.trained_tokens += int(loss_mask.sum())
-        return {"loss": float(loss), "acceptance_estimate": float(accept),
+        return {"loss": float(loss.detach()), "acceptance_estimate": float(accept),
                 "seconds": time.perf_counter() - start}
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -409,94 +413,9 @@ def load_draft(directory: str, policy_config: Any) -> tuple[DraftNet, dict[str, 
     return net, config
 
 
-def report(epoch: int, loss: float, result: EvalResult, elapsed: float) -> None:
-    steps = " ".join(f"{a:.3f}" for a in result.level_acceptance)
-    print(f"epoch {epoch:3d}  loss {loss:7.4f}  held-out accept {result.acceptance:.3f}  "
-          f"k=4 accepted {result.chained_length:.3f} (steps {steps})  {elapsed:6.1f}s",
-          flush=True)
-
-
-def train(trainer: DraftTrainer, train_set: list[draft_data.Sample],
-          eval_set: list[draft_data.Sample], minutes: float, seed: int) -> EvalResult:
-    """Epochs over `train_set` until `minutes` have passed; returns the last held-out result."""
-    rng = random.Random(seed)
-    held_out = draft_data.batches(eval_set, response_only=True)
-    temperature = trainer.loss_cfg.temperature
-    start, epoch = time.monotonic(), 0
-
-    def held_out_result() -> EvalResult:
-        return evaluate(trainer.net, held_out, trainer.head_weight, trainer.embed_weight,
-                        temperature, k=4)
-
-    result = held_out_result()
-    report(0, float("nan"), result, 0.0)
-    while time.monotonic() - start < minutes * 60:
-        epoch += 1
-        losses = []
-        for batch in draft_data.batches(train_set, response_only=False, rng=rng):
-            losses.append(trainer.step(batch["input_ids"], batch["features"], None,
-                                       batch["loss_mask"], attention_mask=batch["attention_mask"],
-                                       lse=batch["lse"])["loss"])
-            if time.monotonic() - start >= minutes * 60:
-                break
-        result = held_out_result()
-        report(epoch, sum(losses) / max(len(losses), 1), result, time.monotonic() - start)
-    return result
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hotswap.engine.speculative.train_draft",
-                                description="Distil a learned draft from the policy's samples.")
-    p.add_argument("model_path")
-    p.add_argument("--out", default=None, help="checkpoint folder (default MODEL_PATH/draft)")
-    p.add_argument("--minutes", type=float, default=5.0, help="training time")
-    p.add_argument("--samples", type=int, default=384, help="rollouts to distil from")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="draft vocabulary size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--levels", type=int, default=2, help="chain steps trained (1: no TTT)")
-    p.add_argument("--reg-weight", type=float, default=0.2, help="feature regression weight")
-    args = p.parse_args(argv)
-    if min(args.samples, args.max_new_tokens, args.vocab, args.levels) < 1 or args.minutes < 0:
-        p.error("--samples, --max-new-tokens, --vocab and --levels must be >= 1, --minutes >= 0")
-    if args.temperature <= 0:
-        p.error("--temperature must be > 0 (the draft is trained for sampling)")
-    return args
-
-
-def warm_start(argv: list[str] | None = None) -> str:
-    import transformers
-
-    args = parse_args(argv)
-    out = args.out or os.path.join(args.model_path, "draft")
-    begin = time.monotonic()
-    torch.manual_seed(args.seed)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path,
-                                                              dtype=torch.float32).eval()
-    data = draft_data.distillation_set(model, tokenizer, args.samples, args.max_new_tokens,
-                                       args.temperature, args.vocab, args.seed)
-    print(f"sampled {data.rollouts} rollouts, {data.generated} tokens; draft vocabulary "
-          f"{len(data.token_map)} covers {data.coverage:.1%} of them "
-          f"({time.monotonic() - begin:.0f}s)", flush=True)
-    token_map = data.token_map
-    trainer = DraftTrainer(model, token_map, lr=args.lr, temperature=args.temperature,
-                           levels=args.levels, reg_weight=args.reg_weight)
-    result = train(trainer, data.train, data.held_out, args.minutes, args.seed)
-    save_draft(out, trainer.named_tensors(), token_map, model.config.to_dict(),
-               trained_tokens=trainer.trained_tokens, policy_path=os.path.abspath(args.model_path),
-               weights_sha=policy_weights_sha(model),
-               eval={"acceptance": round(result.acceptance, 4),
-                     "chained_k4_accepted": round(result.chained_length, 4),
-                     "temperature": args.temperature})
-    print(f"saved the draft to {out} ({time.monotonic() - begin:.0f}s in all); held-out "
-          f"acceptance {result.acceptance:.3f}, k=4 accepted {result.chained_length:.3f}")
-    print(json.dumps({"out": out, "acceptance": result.acceptance,
-                      "chained_k4": result.chained_length}))
-    return out
-
-
 if __name__ == "__main__":
-    warm_start()
+    import runpy
+
+    # The warm start samples with the Engine, which sits above speculative/ in the import order
+    # (tests/test_layout.py): it lives in engine/draft_warm_start.py and is handed over by name.
+    runpy.run_module("hotswap.engine.draft_warm_start", run_name="__main__", alter_sys=True)

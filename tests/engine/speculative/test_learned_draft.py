@@ -314,3 +314,19 @@ def test_bad_drafts_refused(model_path, tmp_path):
         draft_engine(path, speculative_draft_path=os.path.join(other, "draft"))
     with pytest.raises(ValueError, match="speculative_draft_path needs"):
         make_engine(path, speculative_draft_path=os.path.join(other, "draft"))
+
+
+def test_memory_release_takes_the_drafts_kv_and_states(model_path):
+    with make_engine(model_path) as engine:
+        plain = generate(engine, PROMPTS[:2], greedy(24))
+    with draft_engine(model_path) as engine:
+        pin_length(engine, 3)
+        features = engine.runner.features.numel()
+        assert engine.release_memory_occupation(["kv_cache"])["success"]
+        assert engine.runner.features.numel() == 0
+        assert not engine.scheduler.spec.learned.kv.allocated
+        assert engine.resume_memory_occupation(["kv_cache"])["success"]
+        assert engine.runner.features.numel() == features
+        got = generate(engine, PROMPTS[:2], greedy(24))
+        assert engine.get_load()["totals"]["spec_draft_tokens"] > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in plain]
