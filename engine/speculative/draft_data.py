@@ -26,7 +26,7 @@ CHAT_PROMPTS = (
 )
 CHAT_SHARE = 0.25
 EVAL_SHARE = 0.1
-ROWS_PER_BATCH = 16
+ROWS_PER_BATCH = 4  # more, smaller steps: measured better per minute than 16
 
 
 def full_vocab_lse(features: torch.Tensor, head_weight: torch.Tensor, temperature: float,

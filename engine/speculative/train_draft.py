@@ -176,7 +176,10 @@ class DraftNet(nn.Module):
 
     @torch.no_grad()
     def init_from_policy(self, policy: nn.Module) -> DraftNet:
-        """Start from the policy's last decoder layer and final norm; z = E[x] + F_{s-1}."""
+        """The policy's last decoder layer and final norm, z = E[x] + F_{s-1}: the draft is then
+        that layer over the policy's own inputs (a reference for the engine). As a start for
+        training it measured worse than the default random init (0.28 against 0.31 one-step
+        acceptance after 2 minutes on SmolLM2-135M), so DraftTrainer does not use it."""
         decoder = policy.get_decoder()
         last = decoder.layers[-1]
         own = dict(self.layer.named_parameters())
@@ -315,7 +318,7 @@ class DraftTrainer:
         head = policy_model.get_output_embeddings().weight
         self.embed_weight, self.head_weight = embed.detach(), head.detach()
         self.dtype = head.dtype
-        self.net = net or DraftNet(policy_model.config, token_map).init_from_policy(policy_model)
+        self.net = net or DraftNet(policy_model.config, token_map)
         self.loss_cfg = LossConfig(levels, reg_weight, max_positions, temperature)
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
         self.trained_tokens = 0

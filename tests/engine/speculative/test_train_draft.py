@@ -199,20 +199,18 @@ def test_evaluate_trained_draft_beats_untrained(policy):
     head, embed = policy.get_output_embeddings().weight, policy.get_input_embeddings().weight
     untrained = DraftNet(policy.config, all_tokens(policy))  # random init, not the policy's
     before = evaluate(untrained, held, head, embed, k=4)
-    trainer = DraftTrainer(policy, all_tokens(policy), lr=3e-3, net=untrained)
-    for _ in range(15):
+    trainer = DraftTrainer(policy, all_tokens(policy), lr=1e-2, net=untrained)
+    for _ in range(20):
         for b in train:
             trainer.step(b["input_ids"], b["features"], b["policy_logits"], b["loss_mask"])
     after = evaluate(trainer.net, held, head, embed, k=4)
     for result in (before, after):
-        assert 0 <= result.acceptance <= 1
         assert all(0 <= a <= 1 for a in result.level_acceptance)
-        assert 0 <= result.chained_length <= 4
         assert result.positions == 4 * (23 - 3)  # chain starts with all 4 steps in the mask
+        # a_1 <= a_1 + a_1 a_2 + ... <= 4 a_1, start by start.
+        assert result.acceptance <= result.chained_length <= 4 * result.acceptance + 1e-6
     assert after.acceptance > before.acceptance + 0.05
-    assert after.chained_length > before.chained_length
-    # The chained length is sum_j prod_{i<=j} a_i: it can never beat every step being a_1.
-    assert after.chained_length <= sum(after.acceptance ** j for j in range(1, 5)) + 0.5
+    assert after.chained_length > before.chained_length + 0.05
 
 
 def test_token_map_keeps_eos_and_the_most_emitted_tokens():
