@@ -26,9 +26,17 @@ from torch import nn
 
 from hotswap.engine.config import ModelConfig
 from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.linear import Linear
 from hotswap.engine.layers.norm import RMSNorm
-from hotswap.engine.models.llama import LlamaDecoderLayer, LlamaMLP, WeightSlot, split, whole
+from hotswap.engine.models.llama import (
+    SMALL_HEAD_ROWS,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    WeightSlot,
+    split,
+    whole,
+)
 from hotswap.engine.models.loader import (
     check_weights,
     iter_checkpoint,
@@ -59,12 +67,18 @@ class DraftModel(nn.Module):
         return self.norm(self.layer(x, fb))
 
     def logits(self, guess: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the token map [rows, Vd]."""
-        return guess.float() @ self.head.T
+        """Float32 logits over the token map [rows, Vd]: a bf16 head's rows as they lie for a
+        few rows (half the bytes of float32, float32 sums), else in float32."""
+        x = guess.float()
+        head = self.head
+        if (head.dtype == torch.bfloat16 and len(x) <= SMALL_HEAD_ROWS
+                and cpu_kernels.applies(head)):
+            return cpu_kernels.small_linear(x, head)
+        return x @ head.float().T
 
     def derive(self, head_weight: torch.Tensor) -> None:
-        """The policy head's rows of the token map, in float32 (after every weight change)."""
-        self.head = head_weight.detach().index_select(0, self.token_map).float()
+        """The policy head's rows of the token map (after every weight change)."""
+        self.head = head_weight.detach().index_select(0, self.token_map)
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         cfg, attn, mlp = self.cfg, self.layer.self_attn, self.layer.mlp

@@ -37,6 +37,7 @@ from hotswap.engine.core.forward_batch import ForwardBatch
 from hotswap.engine.core.request import Req
 from hotswap.engine.core.sampling_params import seeded_uniform
 from hotswap.engine.executor.model_runner import ModelRunner
+from hotswap.engine.executor.sampling import draw
 from hotswap.engine.kvcache.memory import KVPool
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class LearnedDraft:
         temps = torch.tensor([reqs[n].params.temperature for n in picked],
                              dtype=torch.float32, device=logits.device)
         q = torch.softmax(logits[at] / temps[:, None], dim=-1)
-        drawn = torch.multinomial(q, 1, generator=generator).squeeze(1)
+        drawn = draw(q, generator)
         for k, n in enumerate(picked):
             if modes[n] == SAMPLED:
                 index[n] = drawn[k]
