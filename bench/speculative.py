@@ -241,7 +241,7 @@ def main() -> None:
 def drift(path: str, steps: int, temperature: float) -> None:
     """The GRPO main job for `steps` steps with the learned draft, trained beside the policy and
     frozen: per step, drafted tokens kept per drafted token (the engine's counters)."""
-    from hotswap.rollout import grpo
+    import hotswap.rollout.grpo as grpo
 
     rates: dict[str, list[float]] = {}
     seconds: dict[str, list[float]] = {}
