@@ -240,40 +240,22 @@ def main() -> None:
 
 def drift(path: str, steps: int, temperature: float) -> None:
     """The GRPO main job for `steps` steps with the learned draft, trained beside the policy and
-    frozen: per step, drafted tokens kept per drafted token (the engine's counters)."""
-    import hotswap.rollout.grpo as grpo
+    frozen: per step, drafted tokens kept per drafted token (the job's spec/draft_acceptance)."""
+    from hotswap.rollout.grpo import parse_args, run
 
-    rates: dict[str, list[float]] = {}
-    seconds: dict[str, list[float]] = {}
-    train_and_push = grpo.train_and_push
-    for name, extra in (("trained", []), ("frozen", ["--freeze-draft"])):
-        last = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0}
-        rates[name], seconds[name] = [], []
-
-        def spy(args, step, batch, trainer, handle, client, last=last, name=name):
-            totals = handle.backend.get_load()["totals"]  # the batch this step trains on
-            drafted = totals["spec_draft_tokens"] - last["spec_draft_tokens"]
-            kept = totals["spec_accepted_tokens"] - last["spec_accepted_tokens"]
-            last.update(totals)
-            rates[name].append(kept / drafted if drafted else float("nan"))
-            metrics = train_and_push(args, step, batch, trainer, handle, client)
-            seconds[name].append(metrics.get("time/draft_train_s", 0.0))
-            return metrics
-
-        grpo.train_and_push = spy
-        try:
-            grpo.run(grpo.parse_args(["--model-path", path, "--steps", str(steps),
-                                      "--speculative", "draft", "--quiet",
-                                      "--temperature", str(temperature)] + extra))
-        finally:
-            grpo.train_and_push = train_and_push
     print(f"drift over {steps} GRPO steps: drafted tokens kept per drafted token, per step")
-    for name in rates:
-        first, end = rates[name][0], statistics.mean(rates[name][-3:])
-        print(f"  {name:<8} " + " ".join(f"{r:.3f}" for r in rates[name])
-              + f"   last 3 / first: {end / first:.2f}; draft training "
-              f"{statistics.mean(seconds[name]):.2f} s/step")
-
+    for name, extra in (("trained", []), ("frozen", ["--freeze-draft"])):
+        history = run(parse_args(["--model-path", path, "--steps", str(steps), "--speculative",
+                                  "draft", "--quiet", "--temperature", str(temperature)]
+                                 + extra))["history"]
+        rates = [h.get("spec/draft_acceptance", float("nan")) for h in history]
+        seconds = [h.get("time/draft_train_s", 0.0) for h in history]
+        train = [h["time/train_s"] for h in history]
+        rollout = [h["time/rollout_s"] for h in history]
+        print(f"  {name:<8} " + " ".join(f"{r:.3f}" for r in rates)
+              + f"   last 3 / first: {statistics.mean(rates[-3:]) / rates[0]:.2f}; "
+              f"rollout {statistics.mean(rollout):.1f} s/step, train {statistics.mean(train):.1f}"
+              f" s/step of which draft {statistics.mean(seconds):.2f}", flush=True)
 
 if __name__ == "__main__":
     main()

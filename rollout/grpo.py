@@ -326,6 +326,8 @@ def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, tra
     if len(batch):  # every group filtered out and no rows left: nothing to learn from
         metrics.update(trainer.step(batch))
     metrics["time/train_s"] = time.perf_counter() - start
+    if args.speculative == "draft":
+        metrics.update(draft_state(handle.backend))
     start = time.perf_counter()
     pushed = handle.push(trainer.named_weights(), str(step + 1))
     metrics["time/weight_sync_s"] = time.perf_counter() - start
@@ -336,6 +338,19 @@ def train_and_push(args: argparse.Namespace, step: int, batch: RolloutBatch, tra
     groups = batch.meta.get("groups", {})
     metrics["batch/groups_filtered"] = float(groups.get("filtered", 0))
     return metrics
+
+
+def draft_state(backend: Any) -> dict[str, float]:
+    """An in-process engine's learned draft before the push: drafted tokens kept per drafted
+    token since the last push (its acceptance window restarts with every update) and whether
+    it is stale; nothing where the backend does not report its load."""
+    get_load = getattr(backend, "get_load", None)
+    spec = (get_load() if callable(get_load) else {}).get("speculative") or {}
+    if "draft_version" not in spec:
+        return {}
+    acceptance = spec["acceptance"]
+    return {"spec/draft_acceptance": math.nan if acceptance is None else acceptance,
+            "spec/draft_stale": float(spec["stale"])}
 
 
 def async_batches(args: argparse.Namespace, client: TokenClient, task: Task, reward: Any

@@ -29,6 +29,7 @@ COLUMNS = [
     ("response/length", "len", 5, ".1f"), ("rollout/tokens_per_s", "gen tok/s", 9, ".1f"),
     ("rollout/cache_hit_rate", "cache", 5, ".2f"),
     ("rollout/spec_accept_len", "spec acc", 8, ".2f"),
+    ("spec/draft_acceptance", "draft kept", 10, ".3f"),
     ("staleness/version_lag_max", "lag", 3, ".0f"),
     ("mismatch/abs_diff", "|dlogp|", 8, ".1e"), ("mismatch/kl", "kl", 8, ".1e"),
     ("mismatch/tis_truncated", "tis cut", 7, ".3f"),

@@ -90,3 +90,5 @@ def test_the_job_pushes_the_draft_with_the_policy(model_path, tmp_path, monkeypa
     for h in out["history"]:
         assert h["mismatch/abs_diff"] < 1e-4  # the push served exactly the trainer's policy
         assert ("draft/loss" in h) != frozen
+        assert h["spec/draft_stale"] == float(frozen and h["weight_version"] > 0)
+        assert "spec/draft_acceptance" in h
