@@ -121,6 +121,8 @@ def pinned(calls: list[tuple[list, list]], length: int) -> dict:
     """run() with every step's draft length pinned to `length`."""
     spec = _ENGINE.scheduler.spec
     spec.lengths.choose = lambda batch: length
+    if spec.learned is not None:  # the costs of drafting, whatever the draft's acceptance
+        spec.learned.floor, spec.learned.off_reason = 0.0, None
     try:
         return run(calls)
     finally:
@@ -252,8 +254,10 @@ def drift(path: str, steps: int, temperature: float) -> None:
         seconds = [h.get("time/draft_train_s", 0.0) for h in history]
         train = [h["time/train_s"] for h in history]
         rollout = [h["time/rollout_s"] for h in history]
+        measured = [r for r in rates if r == r]  # a step whose rollouts drafted nothing: NaN
         print(f"  {name:<8} " + " ".join(f"{r:.3f}" for r in rates)
-              + f"   last 3 / first: {statistics.mean(rates[-3:]) / rates[0]:.2f}; "
+              + f"   last 3 measured / first: "
+              f"{statistics.mean(measured[-3:]) / measured[0]:.2f}; "
               f"rollout {statistics.mean(rollout):.1f} s/step, train {statistics.mean(train):.1f}"
               f" s/step of which draft {statistics.mean(seconds):.2f}", flush=True)
 

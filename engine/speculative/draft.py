@@ -91,6 +91,7 @@ class LearnedDraft:
         self.version = version  # the policy version its tensors were written with
         self.serving = version
         self.off_reason: str | None = None
+        self.floor = ACCEPTANCE_FLOOR  # (a benchmark pinning draft lengths sets it to 0)
         self.drafted = self.kept = 0  # since the draft or the policy last changed
 
     @property
@@ -209,9 +210,9 @@ class LearnedDraft:
         self.kept += kept
         if self.off_reason is None and self.drafted >= FLOOR_TOKENS:
             rate = self.kept / self.drafted
-            if rate < ACCEPTANCE_FLOOR:
+            if rate < self.floor:
                 self.off_reason = (
-                    f"acceptance {rate:.3f} below the floor {ACCEPTANCE_FLOOR} over "
+                    f"acceptance {rate:.3f} below the floor {self.floor} over "
                     f"{self.drafted} drafted tokens (draft of version {self.version!r}, policy "
                     f"{self.serving!r})")
                 logger.warning("learned draft switched off: %s; it drafts again once an "

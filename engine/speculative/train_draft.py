@@ -15,6 +15,7 @@ distils a draft from the policy's own generations (engine/draft_warm_start.py).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -26,11 +27,10 @@ from torch import nn
 
 from hotswap.engine.config.model import ModelConfig
 from hotswap.engine.layers.rotary import rope_inv_freq
-from hotswap.engine.speculative.draft_checkpoint import (
+from hotswap.engine.models.draft import (
     WEIGHTS_FILE,
     as_model_config,
     load_draft_config,
-    policy_weights_sha,
     save_draft,
 )
 
@@ -38,14 +38,12 @@ __all__ = ["DraftNet", "DraftTrainer", "EvalResult", "LossConfig", "evaluate", "
            "load_draft_config", "policy_weights_sha", "save_draft"]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+def policy_weights_sha(policy: nn.Module) -> str:
+    """A short hash of the policy's head and final norm: which policy a draft was trained on."""
+    digest = hashlib.sha256()
+    for t in (policy.get_output_embeddings().weight, policy.get_decoder().norm.weight):
+        digest.update(t.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 class SequenceLayout(NamedTuple):
@@ -139,8 +137,8 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.self_attn = DraftAttention(cfg)
         self.mlp = DraftMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
@@ -164,7 +162,7 @@ class DraftNet(nn.Module):
         self.config = cfg = as_model_config(policy_config)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layer = DraftLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         token_map = torch.as_tensor(token_map, dtype=torch.int64)
         if token_map.numel() == 0 or bool((token_map[1:] <= token_map[:-1]).any()):
             raise ValueError("token_map must be a non-empty, strictly increasing list of ids")

@@ -13,7 +13,7 @@ from fixtures import write_tiny_chat_model
 from test_rollout_grpo import grpo_batch, varied_reward
 
 from hotswap.engine.config import ModelConfig
-from hotswap.engine.speculative.draft_checkpoint import save_draft
+from hotswap.engine.models.draft import save_draft
 from hotswap.engine.speculative.train_draft import DraftNet, DraftTrainer
 from hotswap.rollout import grpo
 from hotswap.rollout.grpo import draft_trainer, parse_args, run

@@ -17,8 +17,8 @@ from test_speculative import chi_square_p, generate, greedy, logprobs, make_engi
 
 from hotswap.engine import Engine
 from hotswap.engine.config import ModelConfig
+from hotswap.engine.models.draft import save_draft
 from hotswap.engine.speculative import draft as draft_module
-from hotswap.engine.speculative.draft_checkpoint import save_draft
 from hotswap.engine.speculative.train_draft import DraftNet
 from hotswap.weight_sync import DeltaTracker, WeightSender
 from hotswap.weight_sync.group import free_port
@@ -306,7 +306,7 @@ def test_draft_below_the_floor_switches_off_and_a_new_draft_switches_on(model_pa
 
 def test_bad_drafts_refused(model_path, tmp_path):
     path = write_tiny_chat_model(str(tmp_path / "m"), num_hidden_layers=2)
-    with pytest.raises(ValueError, match="no draft at"):
+    with pytest.raises(ValueError, match="missing file"):
         draft_engine(path)
     other = write_tiny_chat_model(str(tmp_path / "wide"), num_hidden_layers=2, hidden_size=96)
     write_draft(other, [1, 2])

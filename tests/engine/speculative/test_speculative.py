@@ -142,7 +142,7 @@ def test_opt_out_and_grammar_rows_do_not_speculate(model_path):
 
 @pytest.mark.parametrize("options, match", [
     ({"speculative": "eagle"}, "speculative must be one of"),
-    ({"speculative": "draft"}, "no draft at"),
+    ({"speculative": "draft"}, "missing file"),
     ({"speculative": "ngram", "speculative_num_draft_tokens": 0}, "speculative_num_draft"),
     ({"speculative": "ngram", "speculative_self_layers": 2}, "speculative_self_layers"),
     ({"speculative": "self", "speculative_self_layers": LAYERS}, "speculative_self_layers")])

@@ -12,8 +12,8 @@ import torch
 import transformers
 from fixtures import write_tiny_chat_model
 
+from hotswap.engine.models.draft import draft_shapes, load_draft_config, save_draft
 from hotswap.engine.speculative import draft_data
-from hotswap.engine.speculative.draft_checkpoint import draft_shapes, load_draft_config, save_draft
 from hotswap.engine.speculative.train_draft import (
     DraftNet,
     DraftTrainer,
