@@ -80,7 +80,7 @@ class ModelRunner:
         # A learned draft's inputs: the policy's normed last hidden state at every KV slot.
         self.features = (torch.zeros((self.kv_pool.num_slots, model_config.hidden_size),
                                      dtype=self.dtype, device=self.device)
-                         if self.model.draft is not None else None)
+                         if config.speculative == "draft" else None)
 
     def _invariant_kernels(self) -> bool:
         """Whether this runner's forward can be batch-invariant: the CPU kernels built and
@@ -101,7 +101,7 @@ class ModelRunner:
 
     def _load_weights(self) -> None:
         load_checkpoint(self.model, self.config.model_path)
-        if self.model.draft is not None:
+        if self.config.speculative == "draft":
             load_draft(self.model.draft, self.config.speculative_draft_path)
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ class LlamaForScoring(LlamaForCausalLM):
         self.lm_head_quant = None
         self.fp32_head = None
         self.invariant_head = None
+        self.draft = None  # a scorer never drafts
 
     @property
     def lm_head(self) -> Linear:
