@@ -398,9 +398,10 @@ class Scheduler(SchedulerControl, StepOutputs):
                 1 + (p if isinstance(p, int) else len(p)) for p in plan]
             if self.kv.alloc(decode, lens) is not None:
                 self.ratio.step()
-                drafts, sampled = self._drafts(decode, plan)
-                if plan is not None:
-                    self.stats["spec_draft_s"] += time.perf_counter() - start
+                if plan is None:
+                    return [BatchRow(r, 1, True) for r in decode]
+                drafts, sampled = self.spec.propose(decode, plan, self.generator)
+                self.stats["spec_draft_s"] += time.perf_counter() - start
                 return [BatchRow(r, 1 + len(d), True, d, s)
                         for r, d, s in zip(decode, drafts, sampled)]
             if plan is not None:  # short of KV: no drafts this step before any retraction
@@ -415,16 +416,6 @@ class Scheduler(SchedulerControl, StepOutputs):
             self.retract(victim)
             self.ratio.reset()
         return []
-
-    def _drafts(self, decode: list[Req], plan: list[list[int]] | list[int] | None
-                ) -> tuple[list[list[int]], list[Any]]:
-        """The drafted tokens of each decode row (rows hold their slots now), and its sampled
-        draft where it drew them from a learned draft's distribution."""
-        if plan is None:
-            return [[] for _ in decode], [None] * len(decode)
-        if self.spec.kind == "ngram":
-            return plan, [None] * len(decode)
-        return self.spec.propose(decode, plan, self.generator)
 
     def _reserved_tokens(self) -> int:
         return int(sum(r.remaining_new_tokens for r in self.running) * self.ratio.value)

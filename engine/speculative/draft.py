@@ -143,8 +143,8 @@ class LearnedDraft:
                 req.spec_state = DraftState()
             n = req.kv_len - d  # the request's tokens (its last one is at n - 1)
             start = min(req.spec_state.kv_len, n - 1)
-            tokens = req.fill_ids
-            ids += tokens[start:n]
+            p = len(req.prompt_ids)  # fill_ids[start:n] without copying the whole sequence
+            ids += req.prompt_ids[start:n] + req.output_ids[max(0, start - p):n - p]
             slots.append(req.kv_slots[start:n])
             # F_{s-1} for every s: slot 0 (page 0, kept zero) stands for F_{-1}
             feature_slots.append(req.kv_slots[start - 1:n - 1] if start else

@@ -65,14 +65,16 @@ class Speculator:
         """This step runs without drafts after all (the KV pool is short)."""
         self.step_length = 0
 
-    def propose(self, reqs: list[Req], lengths: list[int], generator: torch.Generator
+    def propose(self, reqs: list[Req], plan: list[list[int]] | list[int],
+                generator: torch.Generator
                 ) -> tuple[list[list[int]], list[SampledDraft | None]]:
-        """Model drafts for requests that now hold slots for them, and each row's sampled
-        draft (None: point masses)."""
+        """Each request's drafted tokens, once it holds slots for them (`plan`: this step's
+        plan()), and its sampled draft (None: point masses)."""
         if self.learned is not None:
-            return self.learned.propose(reqs, lengths, generator)
-        assert self.self_draft is not None
-        return self.self_draft.propose(reqs, lengths), [None] * len(reqs)
+            return self.learned.propose(reqs, plan, generator)
+        if self.self_draft is not None:
+            return self.self_draft.propose(reqs, plan), [None] * len(reqs)
+        return plan, [None] * len(reqs)  # n-gram drafts: the plan is the drafts
 
     def record(self, batch: int, tokens: int, seconds: float) -> None:
         """A decode-only step of `batch` rows emitted `tokens` in `seconds`."""
