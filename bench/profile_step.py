@@ -23,7 +23,8 @@ from hotswap.engine import Engine
 from hotswap.engine.models.fetch import ensure_model
 
 MATMUL = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-          "aten::matmul", "hotswap::small_linear", "hotswap::int8_linear", "aten::_int_mm"}
+          "aten::matmul", "hotswap::small_linear", "hotswap::int8_linear", "aten::_int_mm",
+          "hotswap::blocked_linear"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::scaled_dot_product_attention", "hotswap::decode_attention"}

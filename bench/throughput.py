@@ -11,9 +11,11 @@ run on it). Sampling at temperature 1.0, eos ignored on both sides so every requ
 full length. Every engine (one per dtype) and HF (fp32) run in their own
 process, and each repeat runs them one after the other, so a slow period of this shared machine
 hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the
-decode matmul shapes (oneDNN, packed weights) and the share of that roofline each engine reaches,
-GB/s of weights read at batch 1 and of weights and KV read at (t), each as a share of the
-machine's read bandwidth, and the bf16 engine's logprob error against HF fp32 and bf16.
+decode matmul shapes (per shape the faster of the engine's two kernels, oneDNN on packed weights
+and the blocked kernel) and the share of that roofline each engine reaches, GB/s of weights read
+at batch 1 and of weights and KV read at (t), each as a share of the machine's read bandwidth
+(the faster of a float32 sum and a 1-row blocked matmul over 0.5 GiB), and the bf16 engine's
+logprob error against HF fp32 and bf16.
 With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
 first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
 tokens) are printed for each engine; with --quantize-lm-head its lm_head is int8 too (else the
@@ -181,19 +183,26 @@ def _median_s(repeats: int, fn, *args, **kwargs) -> float:
 
 def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, repeats: int = 20,
                     int8: bool = False) -> dict[str, dict[str, float]]:
-    """dtype -> shape -> seconds of one [rows, in] x packed [in, out] matmul (oneDNN, median);
-    with int8, also "int8": the int8 linear of a bf16 x as the int8 engine runs it."""
-    from hotswap.engine.layers.linear import linear, pack
+    """dtype -> shape -> seconds of one [rows, in] x [in, out] matmul (median) by the faster of
+    the engine's two kernels for it: oneDNN on a packed weight, and cpu_kernels.blocked_linear
+    where the weight blocks (layers/linear.py); "kernel" -> shape -> which was faster. With
+    int8, also "int8": the int8 linear of a bf16 x as the int8 engine runs it."""
+    from hotswap.engine.layers.linear import blocks_by_default, linear, pack
     from hotswap.engine.layers.quant import int8_linear, quantize_weight
 
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict] = {"kernel": {}}
     for dtype in (torch.bfloat16, torch.float32):
-        times = {}
+        times, kernels = {}, {}
         for name, (k, n, _) in shapes.items():
             x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype) * 0.05
-            packed = pack(w)
-            times[name] = _median_s(repeats, linear, x, w, packed=packed)
-        out[str(dtype).removeprefix("torch.")] = times
+            times[name], kernels[name] = _median_s(repeats, linear, x, w, packed=pack(w)), "o"
+            if blocks_by_default(w, pad=name == "lm_head"):
+                blocked = _median_s(repeats, cpu_kernels.blocked_linear, x,
+                                    cpu_kernels.block_pack(w))
+                if blocked < times[name]:
+                    times[name], kernels[name] = blocked, "b"
+        dt = str(dtype).removeprefix("torch.")
+        out[dt], out["kernel"][dt] = times, kernels
     if int8:
         times = {}
         for name, (k, n, _) in shapes.items():
@@ -212,17 +221,32 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
     return out
 
 
-def measure_read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
-    """GB/s of streaming a buffer much larger than the caches: a float32 sum, which torch runs
-    at the rate of a hand-written AVX-512 scan with prefetch (a bf16 sum, widening as it goes,
-    reads a third slower, so it would understate what the batch-1 step could read)."""
+def measure_read_bandwidth(gib: float = 0.5, repeats: int = 5) -> tuple[float, float]:
+    """GB/s of streaming a buffer much larger than the caches, two ways: a float32 sum (torch
+    runs it at the rate of a hand-written AVX-512 scan with prefetch; a bf16 sum, widening as it
+    goes, reads a third slower) and, with the kernels built, one row times a float32 weight of
+    that size in cpu_kernels.blocked_linear (the engine's batch-1 stream, 0 otherwise). The
+    faster is the read bandwidth the batch-1 and long-tail rates are measured against."""
     buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    rates = [buf.numel() * 4 / _min_s(repeats, buf.sum) / 1e9, 0.0]
+    if cpu_kernels.available():
+        blocked = cpu_kernels.block_pack(buf.view(-1, 2048))
+        del buf
+        x = torch.randn(1, 2048)
+        rates[1] = blocked.numel() * 4 / _min_s(repeats, cpu_kernels.blocked_linear, x,
+                                                  blocked) / 1e9
+    return rates[0], rates[1]
+
+
+def _min_s(repeats: int, fn, *args) -> float:
+    """Fastest seconds of fn(*args) over `repeats` calls after one warm-up call."""
+    fn(*args)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        buf.sum()
+        fn(*args)
         samples.append(time.perf_counter() - start)
-    return buf.numel() * 4 / min(samples) / 1e9
+    return min(samples)
 
 
 def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
@@ -245,8 +269,8 @@ def roofline_tok_s(shapes: dict, times: dict[str, dict[str, float]], dtype: str,
 
 def weight_bytes(shapes: dict, dtype: str, fp32_head: bool, int8_head: bool = False) -> int:
     """Bytes of matmul weights one batch-1 decode step reads (with the CPU kernels built, the
-    float32 head of a bf16 model reads the bf16 weights at 1 row: cpu_kernels.small_linear;
-    dtype "int8": int8 layers, a bf16 head or, with `int8_head`, an int8 one)."""
+    float32 head of a bf16 model reads the bf16 weights at a few rows, models/llama.py; dtype
+    "int8": int8 layers, a bf16 head or, with `int8_head`, an int8 one)."""
     size = 1 if dtype == "int8" else torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     head = 4 if fp32_head and not cpu_kernels.available() else max(size, 2)
     head = 1 if int8_head else head
@@ -271,17 +295,23 @@ def long_tail_read_gbs(tok_s: float, prompts: list[list[int]], new: int, weights
     return tok_s / rows * (weights + rows * context * kv_per_token) / 1e9
 
 
-def print_matmul_rates(shapes: dict, times: dict[str, dict[str, float]], bandwidth: float) -> None:
-    print("machine: decode matmuls, 64 rows x packed weight (oneDNN; int8: the int8 linear, "
-          "quantization of x included), GFLOP/s (int8: GOP/s):")
+def print_matmul_rates(shapes: dict, times: dict[str, dict], bandwidth: tuple[float, float]
+                       ) -> None:
+    print("machine: decode matmuls, 64 rows, the faster of oneDNN on the packed weight (o) and "
+          "the blocked kernel (b) (int8: the int8 linear, quantization of x included), GFLOP/s "
+          "(int8: GOP/s):")
     for dtype, per in times.items():
-        rates = "  ".join(f"{name} {2 * 64 * k * n / per[name] / 1e9:.0f}"
+        if dtype == "kernel":
+            continue
+        kernel = times["kernel"].get(dtype, {})
+        rates = "  ".join(f"{name} {2 * 64 * k * n / per[name] / 1e9:.0f}{kernel.get(name, '')}"
                           for name, (k, n, _) in shapes.items())
         if "lm_head fp32" in per:  # float32 products, counted once
             k, n, _ = shapes["lm_head"]
             rates += f"  lm_head fp32 (AMX split) {2 * 64 * k * n / per['lm_head fp32'] / 1e9:.0f}"
         print(f"  {dtype:<9}{rates}")
-    print(f"machine: read bandwidth {bandwidth:.1f} GB/s (float32 sum over 0.5 GiB)")
+    print(f"machine: read bandwidth {max(bandwidth):.1f} GB/s, the faster over 0.5 GiB of a "
+          f"float32 sum ({bandwidth[0]:.1f}) and a 1-row blocked matmul ({bandwidth[1]:.1f})")
 
 
 def logprob_errors(engine_pool, hf_pool, path: str, tokenizer) -> str:
@@ -336,7 +366,7 @@ def main() -> None:
         print_matmul_rates(shapes, times, bandwidth)
 
     def of_bandwidth(gbs: float) -> str:
-        return "" if args.no_roofline else f" ({gbs / bandwidth:.0%} of read bandwidth)"
+        return "" if args.no_roofline else f" ({gbs / max(bandwidth):.0%} of read bandwidth)"
 
     kwargs = {"pack_weights": not args.no_pack_weights,
               "fp32_lm_head": not args.no_fp32_lm_head}

@@ -10,8 +10,9 @@ import os
 
 # CPU flags under which bf16 matmuls run natively (oneDNN); without them bf16 is emulated, slow.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# What bf16 costs without them (bench/throughput.py, batch 64, under HOTSWAP_CPU_ISA=avx2).
-BF16_EMULATED_COST = "a batch of 64 decodes ~3.5x slower than in float32"
+# What bf16 costs without them, in cpu_kernels.blocked_linear (bench/throughput.py under
+# HOTSWAP_CPU_ISA=avx2 on the EPYC: batch 64 0.88-0.92x of float32's tok/s, batch 1 1.35-1.45x).
+BF16_EMULATED_COST = "a batch of 64 decodes at ~0.9x float32's speed, batch 1 at ~1.4x"
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def warn_emulated_bf16(device: str, dtype: str, cpu_flags: set[str] | None = Non
     flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
     if device != "cpu" or dtype != "bfloat16" or any(f in flags for f in CPU_BF16_FLAGS):
         return None
-    why = (f"dtype='bfloat16' on a CPU without {' or '.join(CPU_BF16_FLAGS)}: bf16 matmuls are "
-           f"emulated, {BF16_EMULATED_COST}; dtype='float32' (or 'auto') is faster here")
+    why = (f"dtype='bfloat16' on a CPU without {' or '.join(CPU_BF16_FLAGS)}: bf16 products are "
+           f"emulated in float32, {BF16_EMULATED_COST}; dtype='float32' (or 'auto') is exact "
+           "at about the speed of a large batch here")
     logger.warning(why)
     return why

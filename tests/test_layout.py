@@ -130,6 +130,8 @@ BENCH_INTERNALS: dict[str, tuple[str, ...]] = {
     "bench/bench_sampling.py": (f"{E}.core.sampling_params", f"{E}.executor.sampling",
                                 f"{E}.executor.sampling_batch_info"),
     "bench/throughput.py": (f"{E}.layers",),
+    "bench/matmul.py": (f"{E}.layers", f"{E}.models.llama.InvariantHead",
+                        f"{E}.models.llama.invariant_logits"),
     "bench/colocation.py": (f"{E}.executor.omp", f"{E}.scheduler.scheduler"),
     "bench/grpo_step.py": ("hotswap.rollout.trainer",
                            "hotswap.rollout.exact_forward.segment_sequences"),

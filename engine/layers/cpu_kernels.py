@@ -283,6 +283,15 @@ def block_pack(w: torch.Tensor) -> torch.Tensor:
             .permute(0, 1, 3, 2, 4).contiguous().view(*lead, n // BLOCK, k // group, BLOCK, group))
 
 
+def widen_blocked(blocked: torch.Tensor) -> torch.Tensor:
+    """The float32 blocked layout of a weight from its bf16 one (block_pack of weight.float()
+    from block_pack of the bf16 weight), in one pass over the bf16 copy."""
+    *lead, blocks, pairs, _, _ = blocked.shape
+    out = torch.empty(*lead, blocks, pairs * 2, BLOCK, 1)
+    out.view(*lead, blocks, pairs, 2, BLOCK).copy_(blocked.transpose(-1, -2))
+    return out
+
+
 def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, float_out: bool = False,
                    outputs: int = -1) -> torch.Tensor:

@@ -1,26 +1,24 @@
-"""Linear layers. On CPU in float32 (and in bfloat16 where the CPU has AVX-512; natively with
-AVX512-BF16 or AMX) they run oneDNN's matmul instead of the default BLAS path, faster at the
-decode shapes with the same float32 accuracy as BLAS (docs/performance.md). Elsewhere: F.linear.
+"""Linear layers. On CPU, with the kernels built, a float32 or bf16 weight is multiplied by
+cpu_kernels.blocked_linear from a copy in its blocked layout: every output one float32 sum over
+k in order, whatever the rows, so a row's bits never depend on its batch-mates. It beat oneDNN's
+packed matmul at every row count of SmolLM2's decode shapes, 1 to 64 rows, float32 and bf16,
+with AVX-512 and under the AVX2 switch, and streams the weights faster at a few rows than the
+matrix-vector kernel did (docs/performance.md#the-blocked-matmul-by-default). With AMX, bf16
+keeps oneDNN (AMX tiles) and, up to SMALL_ROWS rows, cpu_kernels.small_linear, a
+matrix-vector kernel over the plain bf16 weights; elsewhere (no kernels, float16, a weight that
+does not fit the blocked layout) oneDNN's matmul, faster at the decode shapes than the default
+BLAS path with the same float32 accuracy, else F.linear.
 
-A weight can also be packed: a copy reordered once into oneDNN's blocked layout, which the
-matmul then reads without converting it on every call (it matters most in bf16). A pack is a
-cache of its weight; the ModelRunner rebuilds packs whenever the weights change and never uses
-a stale one.
-
-A bf16 step of at most SMALL_ROWS rows (where a step only streams the weights: batch 1, the
-tail of a rollout) takes cpu_kernels.small_linear instead, a matrix-vector kernel over the
-plain bf16 weights that asks for them ahead of use and so streams them faster than oneDNN. Its
-float32 sums run in another order than oneDNN's, so a bf16 row's last bits differ between a
-step of up to SMALL_ROWS rows and a larger one (deterministic=True takes BLOCKED instead).
+A pack (the blocked copy or oneDNN's reordered one) is a cache of its weight: the ModelRunner
+rebuilds packs whenever the weights change and never uses a stale one. With deterministic=True
+(batch-invariant, docs/rl.md#deterministic-rollouts-and-exact-logprobs) every Linear holds the
+blocked copy, whatever its dtype and the CPU.
 
 With quantization="int8" a Linear also holds an int8 copy of its weight (quant.py), rebuilt by
 the ModelRunner like the packs; every step then takes quant.int8_linear, whatever its rows.
 
-With deterministic=True (batch-invariant, docs/rl.md#deterministic-rollouts-and-exact-logprobs)
-a Linear holds its weight in cpu_kernels' blocked layout instead, and every step takes
-cpu_kernels.blocked_linear, whatever its rows: each output is one float32 sum over k in order,
-with the bias and the residual added to it before the one rounding, so a row's bits never
-depend on its batch-mates.
+On the blocked, small and int8 paths the bias and the residual are added to the float32 sums
+before the one rounding.
 """
 
 from __future__ import annotations
@@ -86,21 +84,30 @@ ATEN, ONEDNN, SMALL, INT8, BLOCKED = 0, 1, 2, 3, 4
 SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
 
 
-def can_block(weight: torch.Tensor) -> bool:
+def can_block(weight: torch.Tensor, pad: bool = False) -> bool:
     """Whether a weight [n, k] fits cpu_kernels' blocked layout: a float32 or bf16 CPU tensor
-    with n a multiple of 32 and, in bf16, k even."""
+    with, in bf16, k even and n a multiple of 32, unless `pad` (an lm_head, whose outputs join
+    no residual: block_pack pads it to whole blocks)."""
     return (weight.dim() == 2 and cpu_kernels.applies(weight)
-            and weight.shape[0] % cpu_kernels.BLOCK == 0
+            and (pad or weight.shape[0] % cpu_kernels.BLOCK == 0)
             and weight.shape[1] % (4 // weight.element_size()) == 0)
+
+
+def blocks_by_default(weight: torch.Tensor, pad: bool = False) -> bool:
+    """Whether the default mode multiplies this weight blocked: where it fits (can_block),
+    except bf16 on an AMX CPU, whose oneDNN matmul runs on the AMX tiles (not measured against
+    here)."""
+    return can_block(weight, pad) and not (weight.dtype == torch.bfloat16
+                                           and "amx_bf16" in read_cpu_flags())
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, quant: QuantWeight | None = None,
                 blocked: torch.Tensor | None = None) -> int:
-    """BLOCKED where the weight has a blocked copy (deterministic=True); INT8 where it has an
-    int8 copy; SMALL for a bf16 x of at most SMALL_ROWS rows, a
-    plain bf16 weight (bias, residual bf16 too) on CPU with the kernels built, else ONEDNN where
-    oneDNN runs x's dtype, else ATEN."""
+    """BLOCKED where the weight has a blocked copy (by default, or deterministic=True); INT8
+    where it has an int8 copy; SMALL for a bf16 x of at most SMALL_ROWS rows, a plain bf16
+    weight (bias, residual bf16 too) on CPU with the kernels built, else ONEDNN where oneDNN
+    runs x's dtype, else ATEN."""
     if blocked is not None:
         return BLOCKED
     if quant is not None:
@@ -123,10 +130,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the kernel's float32 sums (one rounding in bf16); elsewhere it is added to the matmul's
     output (in bf16 rounded twice, as HF's bf16 does): oneDNN's add post-op costs more than
     the separate add, at any size (docs/performance.md)."""
-    # Above SMALL_ROWS, every row count takes the same path, so a row's result does not depend
-    # on how many rows share its step. (MKL's float32 matrix-vector kernel at 1-2 rows and
-    # SiLU/product as oneDNN post-ops at 64 rows are faster, but both give results that differ
-    # in the last bits with the row count.)
+    # Above SMALL_ROWS (and at every row count on BLOCKED), every row count takes the same
+    # path, so a row's result does not depend on how many rows share its step. (SiLU/product
+    # as oneDNN post-ops at 64 rows were faster, but give results that differ in the last bits
+    # with the row count.)
     path = matmul_path(x, weight, bias, residual, quant, blocked)
     if path == BLOCKED:
         return cpu_kernels.blocked_linear(x, blocked, bias, residual)

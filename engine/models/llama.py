@@ -20,6 +20,7 @@ from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import (
     SMALL_ROWS,
     Linear,
+    blocks_by_default,
     can_block,
     linear,
     matmul_path,
@@ -30,12 +31,19 @@ from hotswap.engine.layers.norm import RMSNorm, rms_norm
 from hotswap.engine.layers.quant import QuantWeight
 from hotswap.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
-# At a decode batch this small, the float32 lm_head of a bf16 model reads the bf16 weights (half
-# the bytes of the float32 copy, the same products) in a matrix-vector kernel, which is faster
-# there; on AMX more rows take cpu_kernels.head_logits, faster from 3 rows on. With AVX512-BF16
-# and no AMX the kernel stays faster up to 6-8 rows (SmolLM2's head at 4 rows: 1.8 against 3.0
-# ms); with AVX2 only, up to 2 (docs/performance.md#decode-against-the-machines-limits).
-SMALL_HEAD_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 2
+# The float32 lm_head of a bf16 model at a decode step of few rows reads the bf16 weights (half
+# the bytes of a float32 copy, the same products). With AVX512-BF16, up to SMALL_HEAD_ROWS rows,
+# in small_linear's matrix-vector loop; on AMX more rows take cpu_kernels.head_logits. Elsewhere
+# (and above SMALL_HEAD_ROWS without AMX) up to SPLIT_HEAD_ROWS rows the blocked bf16 weights
+# times the two bf16 halves of x (invariant_logits), more rows the blocked float32 copy.
+# SmolLM2's head from DRAM, ms, small_linear / split / float32 copy blocked: AVX512-BF16 1 row
+# 2.11 / 2.35 / 3.76, 6 rows 2.48 / 2.51 / 4.06, 8 rows 4.39 / 3.21 / 4.04, 16 rows - / 5.92 /
+# 5.61; AVX2 switch 1 row 5.52 / 3.51 / 5.69, 4 rows - / 5.18 / 5.85, 8 rows - / 9.41 / 6.76
+# (docs/performance.md#the-blocked-matmul-by-default). A learned draft's head (models/draft.py)
+# takes small_linear up to SMALL_HEAD_ROWS rows too.
+NATIVE_BF16 = "avx512_bf16" in read_cpu_flags()
+SMALL_HEAD_ROWS = 6 if NATIVE_BF16 else 2
+SPLIT_HEAD_ROWS = 8 if NATIVE_BF16 else 4
 
 
 class WeightSlot(NamedTuple):
@@ -70,23 +78,26 @@ def split(prefix: str, param: torch.Tensor, parts: list[tuple[str, int]], kind: 
     return out
 
 
+class InvariantHead(NamedTuple):
+    """What the batch-invariant logits read (deterministic=True; a float32 model's by default):
+    the final norm's weight in float32 and the lm_head in cpu_kernels' blocked layout."""
+
+    norm_weight: torch.Tensor
+    blocked: torch.Tensor  # block_pack pads the vocabulary to whole blocks of 32
+    vocab: int
+
+
 class Fp32Head(NamedTuple):
     """What the float32 final norm and lm_head of a bf16/fp16 model read: float32 copies of
-    both weights or, on AMX, the bf16 lm_head packed for cpu_kernels.head_logits."""
+    both weights; on AMX the bf16 lm_head packed for cpu_kernels.head_logits instead; with the
+    blocked matmul (layers/linear.py) the bf16 lm_head and its float32 copy, both blocked."""
 
     norm_weight: torch.Tensor
     weight: torch.Tensor | None  # the packed copy itself when packing applies (saves a copy)
     packed: torch.Tensor | None
     amx: torch.Tensor | None = None  # head_pack(bf16 lm_head); then weight and packed are None
-
-
-class InvariantHead(NamedTuple):
-    """What the batch-invariant logits read (deterministic=True): the final norm's weight in
-    float32 and the lm_head in cpu_kernels' blocked layout, in the model's dtype."""
-
-    norm_weight: torch.Tensor
-    blocked: torch.Tensor  # block_pack pads the vocabulary to whole blocks of 32
-    vocab: int
+    split: InvariantHead | None = None  # up to SPLIT_HEAD_ROWS rows: the bf16 lm_head blocked
+    wide: InvariantHead | None = None  # more rows: its float32 copy blocked
 
 
 def invariant_logits(hidden: torch.Tensor, head: InvariantHead, eps: float) -> torch.Tensor:
@@ -274,7 +285,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_quant: QuantWeight | None = None  # int8 lm_head (layers/quant.py)
         self.fp32_head: Fp32Head | None = None
-        self.invariant_head: InvariantHead | None = None  # deterministic=True (pack_weights)
+        # deterministic=True's, and a float32 model's by default (pack_weights)
+        self.blocked_head: InvariantHead | None = None
         self.draft: nn.Module | None = None  # a learned draft's DraftModel (models/draft.py)
 
     @property
@@ -291,8 +303,8 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(hidden[fb.logits_indices])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.invariant_head is not None:
-            return invariant_logits(hidden, self.invariant_head, self.cfg.rms_norm_eps)
+        if self.blocked_head is not None:
+            return invariant_logits(hidden, self.blocked_head, self.cfg.rms_norm_eps)
         if self.lm_head_quant is not None:  # float32 norm, int8 matmul, float32 logits
             x = rms_norm(hidden.float(), self.model.norm.weight.float(), self.cfg.rms_norm_eps)
             return linear(x, self.lm_head_weight, quant=self.lm_head_quant)
@@ -301,8 +313,12 @@ class LlamaForCausalLM(nn.Module):
             return linear(self.model.norm(hidden), self.lm_head_weight,
                           packed=self.lm_head_packed).float()
         # A bf16/fp16 model: final norm and lm_head in float32.
+        rows = len(hidden)
+        if head.split is not None and (rows > SMALL_HEAD_ROWS or not NATIVE_BF16):
+            return invariant_logits(hidden, head.split if rows <= SPLIT_HEAD_ROWS else head.wide,
+                                    self.cfg.rms_norm_eps)
         weight = self.lm_head_weight
-        if len(hidden) > SMALL_HEAD_ROWS and head.amx is not None:
+        if rows > SMALL_HEAD_ROWS and head.amx is not None:
             return cpu_kernels.head_logits(hidden, self.model.norm.weight, self.cfg.rms_norm_eps,
                                            head.amx, weight.shape[0])
         x = rms_norm(hidden.float(), head.norm_weight, self.cfg.rms_norm_eps)
@@ -326,6 +342,12 @@ class LlamaForCausalLM(nn.Module):
             # No float32 copy: AMX multiplies the bf16 weight by an exact split (float32 products).
             self.fp32_head = Fp32Head(norm.float(), None, None, cpu_kernels.head_pack(head))
             return
+        if packed and head.dtype == torch.bfloat16 and blocks_by_default(head, pad=True):
+            norm, blocked, vocab = norm.float(), cpu_kernels.block_pack(head), head.shape[0]
+            self.fp32_head = Fp32Head(
+                norm, None, None, split=InvariantHead(norm, blocked, vocab),
+                wide=InvariantHead(norm, cpu_kernels.widen_blocked(blocked), vocab))
+            return
         weight = head.float()
         pk = pack(weight) if packed else None
         self.fp32_head = Fp32Head(norm.float(), weight if pk is None else pk, pk)
@@ -336,23 +358,27 @@ class LlamaForCausalLM(nn.Module):
         return quantize_model(self, enable, head)
 
     def pack_weights(self, enable: bool = True, invariant: bool = False) -> None:
-        """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py) and
-        drop the fused layers built from the old ones; with `invariant` (deterministic=True)
-        the blocked copies and the invariant head instead, which every step then multiplies."""
+        """Rebuild (or drop) the packed copy of every matmul weight (layers/linear.py: blocked
+        where the default takes the blocked matmul, else oneDNN's) and drop the fused layers
+        built from the old ones; with `invariant` (deterministic=True) the blocked copies and
+        the blocked head, whatever the dtype and the CPU."""
         self.model.fused_layers.clear()
-        enable = enable and not invariant
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 # An int8 copy (layers/quant.py, built first) is multiplied instead.
-                module.packed = pack(module.weight) if enable and module.quant is None else None
-                module.blocked = cpu_kernels.block_pack(module.weight) if invariant else None
+                plain = enable and module.quant is None
+                blocked = invariant or (plain and blocks_by_default(module.weight))
+                module.blocked = cpu_kernels.block_pack(module.weight) if blocked else None
+                module.packed = pack(module.weight) if plain and not blocked else None
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
-        self.lm_head_packed = (pack(self.lm_head_weight) if enable and self.fp32_head is None
-                               and self.lm_head_quant is None else None)
-        self.invariant_head = InvariantHead(
-            self.model.norm.weight.detach().float(),
-            cpu_kernels.block_pack(self.lm_head_weight),
-            self.lm_head_weight.shape[0]) if invariant else None
+        head = self.lm_head_weight
+        plain = enable and self.fp32_head is None and self.lm_head_quant is None
+        blocked = invariant or (plain and head.dtype == torch.float32
+                                and blocks_by_default(head, pad=True))
+        self.lm_head_packed = pack(head) if plain and not blocked else None
+        self.blocked_head = InvariantHead(self.model.norm.weight.detach().float(),
+                                          cpu_kernels.block_pack(head),
+                                          head.shape[0]) if blocked else None
         if self.draft is not None:
             self.draft.derive(self.lm_head_weight)
 

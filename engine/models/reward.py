@@ -28,7 +28,7 @@ class LlamaForScoring(LlamaForCausalLM):
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_quant = None
         self.fp32_head = None
-        self.invariant_head = None
+        self.blocked_head = None
         self.draft = None  # a scorer never drafts
 
     @property

@@ -182,18 +182,24 @@ def test_long_and_short_extend_rows_run_in_separate_padded_calls(tiny_llama_path
 
 @pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="no oneDNN weight packing here")
 def test_packed_weights_follow_every_weight_change(tiny_model_path):
-    """Packed copies (CPU float32) are dropped when the weights change and rebuilt from the new
-    values before the next forward, whose logits equal HF's on the changed weights."""
+    """Packed copies (CPU float32: blocked where the kernels are built, else oneDNN's) are
+    dropped when the weights change and rebuilt from the new values before the next forward,
+    whose logits equal HF's on the changed weights."""
     runner = make_runner(tiny_model_path)
-    down = runner.model.model.layers[0].mlp.down_proj
-    assert down.packed is not None and runner.model.lm_head_packed is not None
+    model = runner.model
+    down = model.model.layers[0].mlp.down_proj
+
+    def packs():
+        return [down.packed, down.blocked, model.lm_head_packed, model.blocked_head]
+
+    assert sum(p is not None for p in packs()) == 2
     with torch.no_grad():
         down.weight.mul_(0.5)
     runner.weights_changed()
-    assert down.packed is None
+    assert packs() == [None] * 4
     ids = random_ids(12, seed=4)
     (ours,) = run_step(runner, [(Seq(runner, ids), 12)])
-    assert down.packed is not None
+    assert sum(p is not None for p in packs()) == 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_path,
                                                            dtype=torch.float32).eval()
     with torch.no_grad():

@@ -1,6 +1,6 @@
-"""cpu_kernels.blocked_linear, the batch-invariant matmul of deterministic=True: every row's
+"""cpu_kernels.blocked_linear, the batch-invariant matmul (every matmul off AMX): every row's
 bits are the same whatever the rows beside it, their order and count; the sums are x @ w.T
-(+ bias) (+ residual) to float32 rounding; padded outputs and bad shapes."""
+(+ bias) (+ residual) to float32 rounding; padded outputs, bad shapes, the bf16 layout widened."""
 
 from __future__ import annotations
 
@@ -45,3 +45,12 @@ def test_bad_shapes_are_refused():
         cpu_kernels.blocked_linear(torch.randn(3, 32), w, outputs=20)
     with pytest.raises(RuntimeError, match="residual"):
         cpu_kernels.blocked_linear(torch.randn(3, 32), w, residual=torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("n", [96, 70])  # 70: padded to 32s
+def test_widened_bf16_layout_is_the_float32_one(n):
+    """widen_blocked (the float32 head of a bf16 model, built from its bf16 copy) gives exactly
+    the float32 layout of the widened weight."""
+    w = torch.randn(n, 48).bfloat16()
+    assert torch.equal(cpu_kernels.widen_blocked(cpu_kernels.block_pack(w)),
+                       cpu_kernels.block_pack(w.float()))

@@ -12,7 +12,9 @@ from fixtures import Seq, random_ids, run_step
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.cpu_features import auto_dtype
 from hotswap.engine.executor.model_runner import ModelRunner
-from hotswap.engine.layers.linear import can_pack
+from hotswap.engine.layers.linear import blocks_by_default, can_block, can_pack
+from hotswap.engine.layers.norm import rms_norm
+from hotswap.engine.models.llama import SMALL_HEAD_ROWS, SPLIT_HEAD_ROWS, invariant_logits
 
 
 @pytest.mark.parametrize("device,ckpt,flags,expected", [
@@ -105,13 +107,47 @@ def test_fp32_head_follows_weight_changes(tiny_model_path):
     assert (ours - before).abs().max().item() > 0.5
 
 
-@pytest.mark.skipif(not can_pack(torch.zeros(2, 2, dtype=torch.bfloat16)),
-                    reason="this CPU has no native bf16 matmul (AVX512-BF16/AMX)")
+@pytest.mark.skipif(not (can_pack(torch.zeros(2, 2, dtype=torch.bfloat16))
+                         or can_block(torch.zeros(32, 2, dtype=torch.bfloat16))),
+                    reason="neither oneDNN's bf16 matmul nor the CPU kernels here")
 def test_bf16_matmul_weights_are_packed(tiny_llama_path):
+    """Every bf16 matmul weight holds the copy its path multiplies: the blocked layout where
+    the default takes the blocked matmul, else oneDNN's; the float32 head likewise."""
     runner = _runner(tiny_llama_path)
     layer = runner.model.model.layers[0]
-    assert layer.mlp.down_proj.packed is not None
-    assert layer.self_attn.qkv_proj.packed.dtype == torch.bfloat16
-    head = runner.model.fp32_head  # float32 copy packed, or (AMX) the bf16 weight packed
-    assert head.packed is not None or head.amx is not None
+    down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
+    if blocks_by_default(down.weight):
+        assert down.blocked is not None and down.packed is None
+        assert qkv.blocked.dtype == torch.bfloat16
+    else:
+        assert down.packed is not None and down.blocked is None
+        assert qkv.packed.dtype == torch.bfloat16
+    head = runner.model.fp32_head  # blocked, float32 copy packed, or (AMX) bf16 packed
+    assert head.split is not None or head.packed is not None or head.amx is not None
+    if head.split is not None:
+        assert head.split.blocked.dtype == torch.bfloat16
+        assert head.wide.blocked.dtype == torch.float32
+        # The two halves of x on the bf16 weights give the float32 copy's logits to ~2^-17.
+        hidden = torch.randn(12, runner.model_config.hidden_size).bfloat16()
+        few = invariant_logits(hidden, head.split, 1e-5)
+        many = invariant_logits(hidden, head.wide, 1e-5)
+        assert few.shape == many.shape == (12, runner.model_config.vocab_size)
+        assert (few - many).abs().max().item() < 1e-4 * many.abs().max().item()
     assert runner.model.lm_head_packed is None  # the bf16 lm_head is never multiplied then
+
+
+def test_fp32_head_is_float32_accurate_at_every_row_count(tiny_llama_path):
+    """The float32 head of a bf16 model changes kernels with the row count (models/llama.py:
+    small_linear, the split, the float32 copy; on AMX head_logits): at each count every row's
+    logits equal the float64 product of its float32-normed state and the bf16 weights."""
+    runner = _runner(tiny_llama_path)
+    model = runner.model
+    hidden = torch.randn(2 * SPLIT_HEAD_ROWS + 1, runner.model_config.hidden_size).bfloat16()
+    norm = model.model.norm.weight.float()
+    x = rms_norm(hidden.float(), norm, model.cfg.rms_norm_eps).double()
+    want = x @ model.lm_head_weight.double().T
+    for rows in sorted({1, SMALL_HEAD_ROWS, SMALL_HEAD_ROWS + 1, SPLIT_HEAD_ROWS,
+                        SPLIT_HEAD_ROWS + 1, len(hidden)}):
+        got = model.logits(hidden[:rows])
+        assert got.dtype == torch.float32 and got.shape == want[:rows].shape
+        assert (got.double() - want[:rows]).abs().max().item() < 1e-4, rows
