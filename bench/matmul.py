@@ -85,8 +85,7 @@ def layers(cfg: ModelConfig, rows: list[int], repeats: int) -> None:
 def head(cfg: ModelConfig, rows: list[int], repeats: int) -> None:
     weight = torch.randn(cfg.vocab_size, cfg.hidden_size).bfloat16() * 0.05
     wide, norm = weight.float(), torch.ones(cfg.hidden_size)
-    split = InvariantHead(norm, cpu_kernels.block_pack(weight), cfg.vocab_size)
-    blocked = InvariantHead(norm, cpu_kernels.block_pack(wide), cfg.vocab_size)
+    split, blocked = InvariantHead.of(norm, weight), InvariantHead.of(norm, wide)
     packed = pack(wide)
     flush = torch.ones(1 << 26)  # 256 MB read before each call: the head comes from DRAM
     print(f"the float32 head of a bf16 model, {cfg.vocab_size} x {cfg.hidden_size} from DRAM, "

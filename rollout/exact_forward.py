@@ -236,9 +236,7 @@ class _Head(torch.autograd.Function):
     def forward(ctx, hidden, norm_weight, weight, eps):
         ctx.save_for_backward(hidden, norm_weight, weight)
         ctx.eps = eps
-        head = InvariantHead(norm_weight.detach().float(), cpu_kernels.block_pack(weight),
-                             weight.shape[0])
-        return invariant_logits(hidden, head, eps)
+        return invariant_logits(hidden, InvariantHead.of(norm_weight, weight), eps)
 
     @staticmethod
     def backward(ctx, g):

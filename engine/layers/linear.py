@@ -82,6 +82,8 @@ ATEN, ONEDNN, SMALL, INT8, BLOCKED = 0, 1, 2, 3, 4
 # bf16 rows that take cpu_kernels.small_linear: where it beat oneDNN (docs/performance.md). With
 # AVX512-BF16 the kernel multiplies bf16 pairs as they are and also wins at 5 and 6 rows.
 SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
+# With AMX, bf16 weights keep oneDNN's matmul (its AMX tiles) instead of the blocked kernel.
+AMX_BF16 = "amx_bf16" in read_cpu_flags()
 
 
 def can_block(weight: torch.Tensor, pad: bool = False) -> bool:
@@ -97,8 +99,7 @@ def blocks_by_default(weight: torch.Tensor, pad: bool = False) -> bool:
     """Whether the default mode multiplies this weight blocked: where it fits (can_block),
     except bf16 on an AMX CPU, whose oneDNN matmul runs on the AMX tiles (not measured against
     here)."""
-    return can_block(weight, pad) and not (weight.dtype == torch.bfloat16
-                                           and "amx_bf16" in read_cpu_flags())
+    return can_block(weight, pad) and not (weight.dtype == torch.bfloat16 and AMX_BF16)
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

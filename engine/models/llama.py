@@ -86,6 +86,12 @@ class InvariantHead(NamedTuple):
     blocked: torch.Tensor  # block_pack pads the vocabulary to whole blocks of 32
     vocab: int
 
+    @classmethod
+    def of(cls, norm_weight: torch.Tensor, head: torch.Tensor) -> InvariantHead:
+        """The head [vocab, k] blocked, beside the norm's weight in float32."""
+        return cls(norm_weight.detach().float(), cpu_kernels.block_pack(head.detach()),
+                   head.shape[0])
+
 
 class Fp32Head(NamedTuple):
     """What the float32 final norm and lm_head of a bf16/fp16 model read: float32 copies of
@@ -343,10 +349,10 @@ class LlamaForCausalLM(nn.Module):
             self.fp32_head = Fp32Head(norm.float(), None, None, cpu_kernels.head_pack(head))
             return
         if packed and head.dtype == torch.bfloat16 and blocks_by_default(head, pad=True):
-            norm, blocked, vocab = norm.float(), cpu_kernels.block_pack(head), head.shape[0]
+            split = InvariantHead.of(norm, head)
             self.fp32_head = Fp32Head(
-                norm, None, None, split=InvariantHead(norm, blocked, vocab),
-                wide=InvariantHead(norm, cpu_kernels.widen_blocked(blocked), vocab))
+                split.norm_weight, None, None, split=split,
+                wide=split._replace(blocked=cpu_kernels.widen_blocked(split.blocked)))
             return
         weight = head.float()
         pk = pack(weight) if packed else None
@@ -376,9 +382,7 @@ class LlamaForCausalLM(nn.Module):
         blocked = invariant or (plain and head.dtype == torch.float32
                                 and blocks_by_default(head, pad=True))
         self.lm_head_packed = pack(head) if plain and not blocked else None
-        self.blocked_head = InvariantHead(self.model.norm.weight.detach().float(),
-                                          cpu_kernels.block_pack(head),
-                                          head.shape[0]) if blocked else None
+        self.blocked_head = InvariantHead.of(self.model.norm.weight, head) if blocked else None
         if self.draft is not None:
             self.draft.derive(self.lm_head_weight)
 
