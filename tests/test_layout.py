@@ -132,6 +132,7 @@ BENCH_INTERNALS: dict[str, tuple[str, ...]] = {
     "bench/throughput.py": (f"{E}.layers",),
     "bench/matmul.py": (f"{E}.layers", f"{E}.models.llama.InvariantHead",
                         f"{E}.models.llama.invariant_logits"),
+    "bench/attention.py": (f"{E}.layers", f"{E}.kvcache.memory.KVPool"),
     "bench/colocation.py": (f"{E}.executor.omp", f"{E}.scheduler.scheduler"),
     "bench/grpo_step.py": ("hotswap.rollout.trainer",
                            "hotswap.rollout.exact_forward.segment_sequences"),

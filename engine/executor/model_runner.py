@@ -130,13 +130,14 @@ class ModelRunner:
         self.weights_released = False
 
     def release_weights(self) -> None:
-        """Free the parameter storage (and the int8 copies); their values are gone until
-        weights are pushed again."""
+        """Free the parameter storage (and the int8 and blocked copies); their values are gone
+        until weights are pushed again."""
         for p, _ in self._param_shapes:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.weights_released = True
         self.weights_changed()
         self.model.quantize_weights(False)
+        self.model.pack_regions.clear()
 
     def resume_weights(self) -> None:
         """Storage back (values undefined)."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
+import mmap
 import os
 import re
 import shutil
@@ -264,7 +266,58 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 BLOCK = 32  # outputs per block of the blocked layout
 
 
-def block_pack(w: torch.Tensor) -> torch.Tensor:
+# Transparent huge pages: a 2 MiB page the kernel maps where a region asks for it (madvise, the
+# default setting of most distributions; "always" needs no asking, "never" ignores it).
+HUGE_PAGE = 2 << 20
+
+
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in memory that asks the kernel for 2 MiB pages (from its
+    first 2 MiB boundary), so that a stream over it crosses a page boundary, and misses the
+    TLB, 512 times less often: a layer-by-layer one-row pass over SmolLM2's blocked weights ran
+    8-15% faster (docs/performance.md). Below one huge page, or where the OS has no such
+    advice, torch.empty. Untouched pages stay unmapped, as torch.empty's."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping until it is freed
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start: start + nbytes].view(dtype).view(shape)
+
+
+def block_pack_all(weights: list[torch.Tensor],
+                   regions: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """block_pack of each weight, the copies of one dtype side by side in that order in one
+    huge_empty region (a decode step streams them as one stretch of huge pages). `regions`
+    (dtype -> region) keeps the regions for the next call, which writes the same sizes into
+    them again: a fresh region's first touch costs more than the packing itself (0.5-0.75 s for
+    SmolLM2's layers, against 0.15-0.2 s in 4 KiB pages), so a model packs each weight update
+    into the memory of the last one."""
+    regions = {} if regions is None else regions
+    shapes = [_blocked_shape(w) for w in weights]
+    out = [None if w.device.type == "cpu" else block_pack(w) for w in weights]
+    for dtype in {w.dtype for w, o in zip(weights, out) if o is None}:
+        mine = [i for i, w in enumerate(weights) if w.dtype == dtype and out[i] is None]
+        total = sum(math.prod(shapes[i]) for i in mine)
+        if dtype not in regions or regions[dtype].numel() != total:
+            regions[dtype] = huge_empty((total,), dtype)
+        start = 0
+        for i in mine:
+            size = math.prod(shapes[i])
+            out[i] = block_pack(weights[i], out=regions[dtype][start: start + size].view(shapes[i]))
+            start += size
+    return out
+
+
+def _blocked_shape(w: torch.Tensor) -> tuple[int, ...]:
+    *lead, n, k = w.shape
+    group = 4 // w.element_size()
+    return (*lead, -(-n // BLOCK), k // group, BLOCK, group)
+
+
+def block_pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Weights [..., n, k] in the blocked layout [..., n / 32, k / G, 32, G] the csrc kernels
     read, G the inputs one 32-bit lane holds (2 in bf16, 1 in float32, 4 in int8: the layout
     quantize_weight_ writes for the VNNI kernel): for each block of 32 outputs and each group of
@@ -273,14 +326,18 @@ def block_pack(w: torch.Tensor) -> torch.Tensor:
     VNNI's int8 ones), with no horizontal sums; n not a multiple of 32 is padded with zero
     outputs (blocked_linear then returns them too). For the experts blocked_linear beat both the
     small-batch kernel and oneDNN's packed matmul at every row count of bench/moe.py's shapes
-    (docs/performance.md)."""
+    (docs/performance.md). With `out` (that layout's shape and w's dtype), written there."""
     *lead, n, k = w.shape
     group = 4 // w.element_size()
     if n % BLOCK:  # outputs padded with zero rows to whole blocks (a router of 8 experts)
         w = torch.nn.functional.pad(w.detach(), (0, 0, 0, BLOCK - n % BLOCK))
         n = w.shape[-2]
-    return (w.detach().reshape(-1, n // BLOCK, BLOCK, k // group, group)
-            .permute(0, 1, 3, 2, 4).contiguous().view(*lead, n // BLOCK, k // group, BLOCK, group))
+    blocks = (w.detach().reshape(-1, n // BLOCK, BLOCK, k // group, group)
+              .permute(0, 1, 3, 2, 4))
+    if out is None:
+        return blocks.contiguous().view(_blocked_shape(w))
+    out.view(blocks.shape).copy_(blocks)
+    return out
 
 
 def widen_blocked(blocked: torch.Tensor) -> torch.Tensor:

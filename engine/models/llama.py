@@ -293,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
         self.fp32_head: Fp32Head | None = None
         # deterministic=True's, and a float32 model's by default (pack_weights)
         self.blocked_head: InvariantHead | None = None
+        # The layers' blocked copies' memory, by dtype: kept across weight updates
+        # (cpu_kernels.block_pack_all), freed with the weights (ModelRunner.release_weights).
+        self.pack_regions: dict[torch.dtype, torch.Tensor] = {}
         self.draft: nn.Module | None = None  # a learned draft's DraftModel (models/draft.py)
 
     @property
@@ -369,13 +372,20 @@ class LlamaForCausalLM(nn.Module):
         built from the old ones; with `invariant` (deterministic=True) the blocked copies and
         the blocked head, whatever the dtype and the CPU."""
         self.model.fused_layers.clear()
+        blocked_modules = []
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 # An int8 copy (layers/quant.py, built first) is multiplied instead.
                 plain = enable and module.quant is None
                 blocked = invariant or (plain and blocks_by_default(module.weight))
-                module.blocked = cpu_kernels.block_pack(module.weight) if blocked else None
+                module.blocked = None  # the old copies go before the new ones are built
                 module.packed = pack(module.weight) if plain and not blocked else None
+                if blocked:
+                    blocked_modules.append(module)
+        # In the order a decode step reads them, in the huge pages of the last update's copies.
+        packs = cpu_kernels.block_pack_all([m.weight for m in blocked_modules], self.pack_regions)
+        for module, packed in zip(blocked_modules, packs):
+            module.blocked = packed
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
         head = self.lm_head_weight
         plain = enable and self.fp32_head is None and self.lm_head_quant is None

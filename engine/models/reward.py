@@ -29,6 +29,7 @@ class LlamaForScoring(LlamaForCausalLM):
         self.lm_head_quant = None
         self.fp32_head = None
         self.blocked_head = None
+        self.pack_regions = {}
         self.draft = None  # a scorer never drafts
 
     @property

@@ -15,14 +15,22 @@ namespace {
 
 constexpr int64_t KEY_BLOCK = 32;
 
-// The attention of one (row, kv head) pair: the `group` query heads that share kv head h attend
-// over the row's `len` keys, whose pool slots are `slots[0:len]`; `out` gets the group's
-// outputs [group, d]. `scores` has room for [group, len]; the portable version also uses qf
-// [group, d], rows [KEY_BLOCK, d] and acc [group, d].
-template <typename T>
+// A row's keys are attended CHUNK at a time (the last chunk takes the rest), each chunk a task of
+// its own whose float32 result joins the others' by their softmax sums, so that the keys of a
+// few long rows spread over the threads. The chunks follow from the row's own length alone: a
+// row's result does not depend on its batch-mates (deterministic mode).
+constexpr int64_t CHUNK = 1024;
+
+// The attention of one (chunk, kv head) pair: the `group` query heads that share kv head h attend
+// over `len` keys, whose pool slots are `slots[0:len]`; `out` gets the group's outputs [group,
+// d] (the row's own, in T, where the chunk is its only one; else float32 for the join) and
+// `stats` each one's [max score, sum of exp(score - max)]. `scores` has room for [group, len];
+// the portable version also uses qf [group, d], rows [KEY_BLOCK, d] and acc [group, d].
+template <typename T, typename O>
 using AttendFn = void (*)(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
                           int64_t len, int64_t h, int64_t hkv, int64_t group, int64_t d,
-                          float scale, T* out, float* qf, float* rows, float* scores, float* acc);
+                          float scale, O* out, float* stats, float* qf, float* rows,
+                          float* scores, float* acc);
 
 // A row's keys sit a slot per decode step of its batch apart (kilobytes), which the hardware
 // prefetcher does not follow, and each load would otherwise wait on memory: the attention's
@@ -40,10 +48,10 @@ inline void prefetch_head(const T* buf, int64_t slot, int64_t hkv, int64_t h, in
 
 // Portable: keys, then values, widened KEY_BLOCK rows at a time into `rows`, every head run
 // over the block.
-template <typename T>
+template <typename T, typename O>
 void attend_portable(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
                      int64_t len, int64_t h, int64_t hkv, int64_t group, int64_t d, float scale,
-                     T* out, float* qf, float* rows, float* scores, float* acc) {
+                     O* out, float* stats, float* qf, float* rows, float* scores, float* acc) {
   for (int64_t g = 0; g < group; ++g) {
     load_row(q + g * d, qf + g * d, d);
 #pragma omp simd
@@ -71,6 +79,8 @@ void attend_portable(const T* q, const T* k_buf, const T* v_buf, const int64_t* 
     float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+    stats[2 * g] = m;
+    stats[2 * g + 1] = sum;
   }
   std::fill(acc, acc + group * d, 0.f);
   for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {
@@ -86,21 +96,19 @@ void attend_portable(const T* q, const T* k_buf, const T* v_buf, const int64_t* 
         for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p * rows[j * d + i];
       }
   }
-  for (int64_t g = 0; g < group; ++g) {
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = narrow<T>(acc[g * d + i]);
-  }
+  for (int64_t i = 0; i < group * d; ++i) out[i] = narrow<O>(acc[i]);
 }
 
 #if defined(__AVX512F__)
-// s[0:len] -> exp(s - max(s)) in place; returns their sum.
-inline float exp_weights(float* s, int64_t len) {
+// s[0:len] -> exp(s - max(s)) in place; stats <- [max(s), the sum of the exps].
+inline void exp_weights(float* s, int64_t len, float* stats) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
   const __mmask16 tail = __mmask16((1u << (len - j)) - 1);
   m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + j));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  stats[0] = _mm512_reduce_max_ps(m);
+  const __m512 mx = _mm512_set1_ps(stats[0]);
   __m512 sum = _mm512_setzero_ps();
   for (j = 0; j + 16 <= len; j += 16) {
     const __m512 w = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
@@ -109,7 +117,7 @@ inline float exp_weights(float* s, int64_t len) {
   }
   const __m512 w = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mx));
   _mm512_mask_storeu_ps(s + j, tail, w);
-  return _mm512_reduce_add_ps(_mm512_mask_add_ps(sum, tail, sum, w));
+  stats[1] = _mm512_reduce_add_ps(_mm512_mask_add_ps(sum, tail, sum, w));
 }
 
 // The sums of s[r]'s 16 lanes for r < 4, times scale.
@@ -152,12 +160,12 @@ inline __m128 key_scores4(const at::BFloat16* q, const at::BFloat16* const* k, f
 #endif
 
 
-// out[g] = (sum_j w[g, j] * v_j) / sums[g] for G query heads (w: their [G, len] scores):
-// each value row read and widened once for all G heads, whose G * D / 16 accumulators stay in
-// registers.
-template <int64_t D, int64_t G, typename T>
+// out[g] = (sum_j w[g, j] * v_j) / sum_g for G query heads (w: their [G, len] scores; stats:
+// their [max, sum] pairs): each value row read and widened once for all G heads, whose G * D /
+// 16 accumulators stay in registers.
+template <int64_t D, int64_t G, typename T, typename O>
 inline void weigh_values(const float* w, int64_t len, const T* v_buf, const int64_t* slots,
-                         int64_t hkv, int64_t h, const float* sums, T* out) {
+                         int64_t hkv, int64_t h, const float* stats, O* out) {
   constexpr int64_t C = D / 16;
   __m512 acc[G][C];
   for (int64_t g = 0; g < G; ++g)
@@ -173,10 +181,8 @@ inline void weigh_values(const float* w, int64_t len, const T* v_buf, const int6
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
-    for (int64_t c = 0; c < C; c += 2)
-      store32(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], inv),
-              _mm512_mul_ps(acc[g][c + 1], inv));
+    const __m512 inv = _mm512_set1_ps(1.f / stats[2 * g + 1]);
+    for (int64_t c = 0; c < C; ++c) store16(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], inv));
   }
 }
 
@@ -184,10 +190,10 @@ inline void weigh_values(const float* w, int64_t len, const T* v_buf, const int6
 // each key loaded once, four keys per reduction tree; a vectorised softmax; then the values
 // weighed for up to 256 / D heads at a time, so no head makes its own pass over the keys and no
 // value row is widened into a buffer (docs/performance.md).
-template <int64_t D, typename T>
+template <int64_t D, typename T, typename O>
 void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
                    int64_t len, int64_t h, int64_t hkv, int64_t group, int64_t, float scale,
-                   T* out, float*, float*, float* scores, float*) {
+                   O* out, float* stats, float*, float*, float* scores, float*) {
   for (int64_t j = 0; j < len; j += 4) {
     for (int64_t r = j + KEYS_AHEAD; r < std::min(j + KEYS_AHEAD + 4, len); ++r)
       prefetch_head(k_buf, slots[r], hkv, h, D);
@@ -198,12 +204,12 @@ void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* sl
       _mm_mask_storeu_ps(scores + g * len + j, keep, key_scores4<D>(q + g * D, k, scale));
   }
   constexpr int64_t GMAX = 256 / D;
-  float sums[GMAX];
   for (int64_t g0 = 0; g0 < group; g0 += GMAX) {
     const int64_t gc = std::min(GMAX, group - g0);
-    for (int64_t g = 0; g < gc; ++g) sums[g] = exp_weights(scores + (g0 + g) * len, len);
+    for (int64_t g = g0; g < g0 + gc; ++g) exp_weights(scores + g * len, len, stats + 2 * g);
     const float* w = scores + g0 * len;
-    T* o = out + g0 * D;
+    const float* sums = stats + 2 * g0;
+    O* o = out + g0 * D;
     if constexpr (GMAX == 4) {
       switch (gc) {
         case 1: weigh_values<D, 1>(w, len, v_buf, slots, hkv, h, sums, o); break;
@@ -221,8 +227,8 @@ void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* sl
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// s[0:len] -> exp(s - max(s)) in place; returns their sum.
-inline float exp_weights8(float* s, int64_t len) {
+// s[0:len] -> exp(s - max(s)) in place; stats <- [max(s), the sum of the exps].
+inline void exp_weights8(float* s, int64_t len, float* stats) {
   const int64_t full = len / 8 * 8;
   __m256 m = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < full; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
@@ -237,7 +243,8 @@ inline float exp_weights8(float* s, int64_t len) {
   }
   float total = reduce_add8(sum);
   for (int64_t j = full; j < len; ++j) total += s[j] = fast_exp(s[j] - mx);
-  return total;
+  stats[0] = mx;
+  stats[1] = total;
 }
 
 // scale * (q . k[r]) for four key rows, q widened to float32.
@@ -254,11 +261,11 @@ inline __m128 key_scores4(const float* q, const T* const* k, float scale) {
                     _mm_set1_ps(scale));
 }
 
-// out[g] = (sum_j w[g, j] * v_j) / sums[g] for G query heads, each value row read once for all
+// out[g] = (sum_j w[g, j] * v_j) / sum_g for G query heads, each value row read once for all
 // of them (weigh_values with 8 lanes).
-template <int64_t D, int64_t G, typename T>
+template <int64_t D, int64_t G, typename T, typename O>
 inline void weigh_values8(const float* w, int64_t len, const T* v_buf, const int64_t* slots,
-                          int64_t hkv, int64_t h, const float* sums, T* out) {
+                          int64_t hkv, int64_t h, const float* stats, O* out) {
   constexpr int64_t C = D / 8;
   __m256 acc[G][C];
   for (int64_t g = 0; g < G; ++g)
@@ -273,7 +280,7 @@ inline void weigh_values8(const float* w, int64_t len, const T* v_buf, const int
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+    const __m256 inv = _mm256_set1_ps(1.f / stats[2 * g + 1]);
     for (int64_t c = 0; c < C; ++c) store8(out + g * D + 8 * c, _mm256_mul_ps(acc[g][c], inv));
   }
 }
@@ -281,10 +288,10 @@ inline void weigh_values8(const float* w, int64_t len, const T* v_buf, const int
 // AVX2 with FMA (AVX-512's attend_avx512 with 8 lanes) for head sizes 64 and 128: every head's
 // scores from each key loaded once, a vectorised softmax, the values weighed for up to two
 // heads (D 64) or one (D 128) at a time, so the accumulators stay in the 16 registers.
-template <int64_t D, typename T>
+template <int64_t D, typename T, typename O>
 void attend_avx2(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots, int64_t len,
-                 int64_t h, int64_t hkv, int64_t group, int64_t, float scale, T* out, float* qf,
-                 float*, float* scores, float*) {
+                 int64_t h, int64_t hkv, int64_t group, int64_t, float scale, O* out,
+                 float* stats, float* qf, float*, float* scores, float*) {
   for (int64_t g = 0; g < group; ++g) load_row(q + g * D, qf + g * D, D);
   for (int64_t j = 0; j < len; j += 4) {
     for (int64_t r = j + KEYS_AHEAD; r < std::min(j + KEYS_AHEAD + 4, len); ++r)
@@ -299,37 +306,37 @@ void attend_avx2(const T* q, const T* k_buf, const T* v_buf, const int64_t* slot
     }
   }
   constexpr int64_t GMAX = 128 / D;
-  float sums[GMAX];
   for (int64_t g0 = 0; g0 < group; g0 += GMAX) {
     const int64_t gc = std::min(GMAX, group - g0);
-    for (int64_t g = 0; g < gc; ++g) sums[g] = exp_weights8(scores + (g0 + g) * len, len);
+    for (int64_t g = g0; g < g0 + gc; ++g) exp_weights8(scores + g * len, len, stats + 2 * g);
+    const float* w = scores + g0 * len;
     if constexpr (GMAX == 2) {
       if (gc == 2) {
-        weigh_values8<D, 2>(scores + g0 * len, len, v_buf, slots, hkv, h, sums, out + g0 * D);
+        weigh_values8<D, 2>(w, len, v_buf, slots, hkv, h, stats + 2 * g0, out + g0 * D);
         continue;
       }
     }
-    weigh_values8<D, 1>(scores + g0 * len, len, v_buf, slots, hkv, h, sums, out + g0 * D);
+    weigh_values8<D, 1>(w, len, v_buf, slots, hkv, h, stats + 2 * g0, out + g0 * D);
   }
 }
 #endif
 
-template <typename T>
-AttendFn<T> attend_for(int64_t d) {
+template <typename T, typename O>
+AttendFn<T, O> attend_for(int64_t d) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if (d == 64) return attend_avx2<64, T>;
-  if (d == 128) return attend_avx2<128, T>;
+  if (d == 64) return attend_avx2<64, T, O>;
+  if (d == 128) return attend_avx2<128, T, O>;
 #endif
 #if defined(__AVX512F__)
 #if !defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, float>)
 #endif
   {
-    if (d == 64) return attend_avx512<64, T>;
-    if (d == 128) return attend_avx512<128, T>;
+    if (d == 64) return attend_avx512<64, T, O>;
+    if (d == 128) return attend_avx512<128, T, O>;
   }
 #endif
-  return attend_portable<T>;
+  return attend_portable<T, O>;
 }
 
 // Asks for the K and V rows of heads [h0, h0 + heads) of a row's first KEYS_AHEAD slots, before
@@ -376,6 +383,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= width, "seq_len out of range");
     max_len = std::max(max_len, lens[i]);
   }
+  // Row i's chunks are tasks first[i] .. first[i + 1] - 1. A row of one chunk gets its outputs
+  // directly; the chunks of a longer one write theirs in float32 into part[chunk] and their
+  // softmax stats into stats[chunk], which a second pass joins.
+  std::vector<int64_t> first(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) first[i + 1] = first[i] + (lens[i] + CHUNK - 1) / CHUNK;
+  const int64_t chunks = first[n], hq = q.size(1) / d;
+  std::vector<int64_t> row_of(chunks);
+  for (int64_t i = 0; i < n; ++i) std::fill(&row_of[first[i]], &row_of[first[i + 1]], i);
+  const bool joins = chunks > n;
+  const auto part = at::empty({joins ? chunks * hq * (d + 2) : 0}, q.options().dtype(at::kFloat));
+  float* pp = part.data_ptr<float>();  // [chunks, hq, d] outputs,
+  float* sp = pp + (joins ? chunks * hq * d : 0);  // then [chunks, hq, 2] stats
   auto out = at::empty({n, q.size(1)}, q.options());
   const float fscale = float(scale);
   dispatch(q.scalar_type(), "decode_attention", [&](auto zero) {
@@ -385,21 +404,54 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     const scalar_t* vp = v_buf.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t q_stride = q.stride(0);
-    // A task is a row's every kv head (whole slots read at once) when there are rows enough
-    // for the threads, else a (row, kv head) pair.
-    const int64_t splits = n >= 4 * at::get_num_threads() ? 1 : hkv, heads = hkv / splits;
-    at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * d), block(KEY_BLOCK * d), scores(group * max_len),
-          acc(group * d);
-      const AttendFn<scalar_t> one = attend_for<scalar_t>(d);
+    // A task is a chunk's every kv head (whole slots read at once) when there are chunks enough
+    // for the threads, else a (chunk, kv head) pair.
+    const int64_t splits = chunks >= 4 * at::get_num_threads() ? 1 : hkv, heads = hkv / splits;
+    at::parallel_for(0, chunks * splits, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(group * d), block(KEY_BLOCK * d),
+          scores(group * std::min(CHUNK, max_len)), acc(group * d), own(group * 2);
+      const AttendFn<scalar_t, scalar_t> whole = attend_for<scalar_t, scalar_t>(d);
+      const AttendFn<scalar_t, float> partial = attend_for<scalar_t, float>(d);
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t i = t / splits, h0 = t % splits * heads;
-        const int64_t* slots = table + rows[i] * width;
-        prefetch_rows(kp, vp, slots, lens[i], hkv, d, h0, heads);
-        for (int64_t h = h0; h < h0 + heads; ++h)
-          one(qp + i * q_stride + h * group * d, kp, vp, slots, lens[i], h, hkv, group, d,
-              fscale, op + i * q.size(1) + h * group * d, qf.data(), block.data(),
-              scores.data(), acc.data());
+        const int64_t c = t / splits, i = row_of[c], h0 = t % splits * heads;
+        const int64_t j0 = (c - first[i]) * CHUNK, len = std::min(CHUNK, lens[i] - j0);
+        const int64_t* slots = table + rows[i] * width + j0;
+        prefetch_rows(kp, vp, slots, len, hkv, d, h0, heads);
+        for (int64_t h = h0; h < h0 + heads; ++h) {
+          const scalar_t* qh = qp + i * q_stride + h * group * d;
+          if (first[i + 1] - first[i] == 1)
+            whole(qh, kp, vp, slots, len, h, hkv, group, d, fscale,
+                  op + i * q.size(1) + h * group * d, own.data(), qf.data(), block.data(),
+                  scores.data(), acc.data());
+          else
+            partial(qh, kp, vp, slots, len, h, hkv, group, d, fscale,
+                    pp + (c * hq + h * group) * d, sp + (c * hq + h * group) * 2, qf.data(),
+                    block.data(), scores.data(), acc.data());
+        }
+      }
+    });
+    if (!joins) return;
+    // Each chunk's outputs weighed by its softmax sum relative to the row's largest score.
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> weight;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t c0 = first[i], nc = first[i + 1] - c0;
+        if (nc == 1) continue;
+        weight.resize(nc);
+        for (int64_t g = 0; g < hq; ++g) {
+          const float* o = pp + (c0 * hq + g) * d;  // chunk c0 + c's at o + c * hq * d
+          const float* st = sp + (c0 * hq + g) * 2;  // its max and sum at st + c * hq * 2
+          float m = -INFINITY, total = 0.f;
+          for (int64_t c = 0; c < nc; ++c) m = std::max(m, st[c * hq * 2]);
+          for (int64_t c = 0; c < nc; ++c)
+            total += weight[c] = st[c * hq * 2 + 1] * std::exp(st[c * hq * 2] - m);
+          scalar_t* dst = op + i * q.size(1) + g * d;
+          for (int64_t e = 0; e < d; ++e) {
+            float sum = 0.f;
+            for (int64_t c = 0; c < nc; ++c) sum += weight[c] * o[c * hq * d + e];
+            dst[e] = narrow<scalar_t>(sum / total);
+          }
+        }
       }
     });
   });

@@ -193,6 +193,7 @@ def test_packed_weights_follow_every_weight_change(tiny_model_path):
         return [down.packed, down.blocked, model.lm_head_packed, model.blocked_head]
 
     assert sum(p is not None for p in packs()) == 2
+    regions = {dtype: r.data_ptr() for dtype, r in model.pack_regions.items()}
     with torch.no_grad():
         down.weight.mul_(0.5)
     runner.weights_changed()
@@ -200,6 +201,9 @@ def test_packed_weights_follow_every_weight_change(tiny_model_path):
     ids = random_ids(12, seed=4)
     (ours,) = run_step(runner, [(Seq(runner, ids), 12)])
     assert sum(p is not None for p in packs()) == 2
+    # the blocked copies were written again into the same memory
+    assert {dtype: r.data_ptr() for dtype, r in model.pack_regions.items()} == regions
+    assert (down.blocked is None) == (not regions)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_path,
                                                            dtype=torch.float32).eval()
     with torch.no_grad():

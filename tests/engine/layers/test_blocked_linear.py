@@ -4,6 +4,8 @@ bits are the same whatever the rows beside it, their order and count; the sums a
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -54,3 +56,31 @@ def test_widened_bf16_layout_is_the_float32_one(n):
     w = torch.randn(n, 48).bfloat16()
     assert torch.equal(cpu_kernels.widen_blocked(cpu_kernels.block_pack(w)),
                        cpu_kernels.block_pack(w.float()))
+
+
+def test_packed_side_by_side_in_huge_pages_equal_each_pack():
+    """block_pack_all (a model's blocked copies, in one region per dtype) gives each weight's
+    block_pack, in memory that asks for 2 MiB pages from its first boundary on."""
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k, dtype in
+               [(1024, 576, torch.bfloat16), (70, 64, torch.float32), (3072, 576, torch.bfloat16),
+                (576, 1536, torch.bfloat16)]]
+    packs = cpu_kernels.block_pack_all(weights)
+    for w, packed in zip(weights, packs):
+        assert torch.equal(packed, cpu_kernels.block_pack(w))
+    # the bf16 copies lie side by side in the order given, in one region of huge pages
+    assert packs[2].data_ptr() == packs[0].data_ptr() + packs[0].nbytes
+    assert packs[3].data_ptr() == packs[2].data_ptr() + packs[2].nbytes
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert packs[0].data_ptr() % cpu_kernels.HUGE_PAGE == 0
+
+
+def test_huge_empty_is_an_ordinary_tensor():
+    small = cpu_kernels.huge_empty((3, 4), torch.float32)  # under a huge page: torch.empty
+    big = cpu_kernels.huge_empty((2, 1 << 20), torch.bfloat16)
+    assert small.shape == (3, 4) and big.shape == (2, 1 << 20) and big.dtype == torch.bfloat16
+    big.fill_(2.0)
+    assert big.is_contiguous() and float(big.float().sum()) == 4 << 20
+    view = big[1]
+    del big  # a view keeps the region mapped
+    assert float(view[-1]) == 2.0

@@ -89,6 +89,25 @@ def test_decode_attention_rows_do_not_depend_on_batch_mates():
         assert torch.equal(alone[0], batch[i])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_decode_attention_joins_the_chunks_of_long_rows(dtype):
+    """Rows longer than a chunk (1,024 keys) are attended a chunk per task and joined by their
+    softmax sums: the same output as one softmax over all keys, for one row alone (chunk and
+    kv head tasks) and beside short ones, and a row's bits never depend on its batch-mates."""
+    g = torch.Generator().manual_seed(4)
+    slots, width = 6000, 2600
+    k_buf, v_buf = torch.randn(2, slots, 3, 64, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1 for _ in range(5)])
+    q = torch.randn(5, 9 * 64, generator=g).to(dtype)
+    lens = torch.tensor([2600, 1024, 1025, 7, 2049])
+    batch = cpu_kernels.decode_attention(q, k_buf, v_buf, table, torch.arange(5), lens, 0.125)
+    close(batch, reference_attention(q, k_buf, v_buf, table, torch.arange(5), lens, 0.125), dtype)
+    for i in range(5):
+        alone = cpu_kernels.decode_attention(q[i: i + 1], k_buf, v_buf, table,
+                                             torch.tensor([i]), lens[i: i + 1], 0.125)
+        assert torch.equal(alone[0], batch[i])
+
+
 def test_decode_attention_reads_strided_queries():
     """q as the model passes it: a column slice of the fused qkv output."""
     g = torch.Generator().manual_seed(2)
@@ -325,6 +344,7 @@ def test_fused_layers_follow_weight_updates_and_release(tiny_model_path, monkeyp
     assert decode_matches() != before
     saved = {n: s.view.clone() for n, s in fused.model.hf_weight_map().items()}
     fused.release_weights()
+    assert not fused.model.pack_regions  # the blocked copies' memory goes with the weights
     fused.resume_weights()
     for name, slot in fused.model.hf_weight_map().items():
         slot.view.copy_(saved[name])
