@@ -378,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
                 # An int8 copy (layers/quant.py, built first) is multiplied instead.
                 plain = enable and module.quant is None
                 blocked = invariant or (plain and blocks_by_default(module.weight))
-                module.blocked = None  # the old copies go before the new ones are built
+                module.blocked = None  # the new copies are set below
                 module.packed = pack(module.weight) if plain and not blocked else None
                 if blocked:
                     blocked_modules.append(module)
