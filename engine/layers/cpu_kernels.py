@@ -289,7 +289,7 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def block_pack_all(weights: list[torch.Tensor],
                    regions: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """block_pack of each weight, the copies of one dtype side by side in that order in one
+    """block_pack of each CPU weight, the copies of one dtype side by side in that order in one
     huge_empty region (a decode step streams them as one stretch of huge pages). `regions`
     (dtype -> region) keeps the regions for the next call, which writes the same sizes into
     them again: a fresh region's first touch costs more than the packing itself (0.5-0.75 s for
@@ -297,17 +297,19 @@ def block_pack_all(weights: list[torch.Tensor],
     into the memory of the last one."""
     regions = {} if regions is None else regions
     shapes = [_blocked_shape(w) for w in weights]
-    out = [None if w.device.type == "cpu" else block_pack(w) for w in weights]
-    for dtype in {w.dtype for w, o in zip(weights, out) if o is None}:
-        mine = [i for i, w in enumerate(weights) if w.dtype == dtype and out[i] is None]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, w in enumerate(weights):
+        by_dtype.setdefault(w.dtype, []).append(i)
+    out: list[torch.Tensor] = [None] * len(weights)
+    for dtype, mine in by_dtype.items():
         total = sum(math.prod(shapes[i]) for i in mine)
         if dtype not in regions or regions[dtype].numel() != total:
             regions[dtype] = huge_empty((total,), dtype)
         start = 0
         for i in mine:
-            size = math.prod(shapes[i])
-            out[i] = block_pack(weights[i], out=regions[dtype][start: start + size].view(shapes[i]))
-            start += size
+            region = regions[dtype][start: start + math.prod(shapes[i])]
+            out[i] = block_pack(weights[i], out=region.view(shapes[i]))
+            start += region.numel()
     return out
 
 
