@@ -1,21 +1,22 @@
 """Throughput: hotswap (bf16 and fp32) vs HF transformers `generate`: same model, prompts, machine.
 
-python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c,t] [--repeats 1]
+python bench/throughput.py [--dtype bfloat16,float32] [--workloads a,b,1,c,t,p] [--repeats 1]
                            [--skip-hf] [--no-roofline] [--no-logprob-check]
                            [--quantization int8 [--quantize-lm-head]] [--deterministic]
-(a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens;
-(1) batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
-questions x 32 new tokens; (t) the long tail of a GRPO batch: 4 distinct ~2,000-token prompts x
-64 new tokens, decoded on their cached prompts (a first call prefills them, uncounted; HF is not
-run on it). Sampling at temperature 1.0, eos ignored on both sides so every request makes its
-full length. Every engine (one per dtype) and HF (fp32) run in their own
+(a) 64 distinct chat prompts x 64 new tokens; (b) GRPO-style 8 prompts x n=8 x 64 new tokens; (1)
+batch 1: one chat prompt x 64 new tokens; (c) a ~1,000-token shared system prompt + 64 short
+questions x 32 new tokens; (t) the long tail of a GRPO batch: 4 distinct ~2,000-token prompts x 64
+new tokens, decoded on their cached prompts (a first call prefills them, uncounted; HF is not run
+on it); (p) prefill: the same 4 prompts from an empty cache, one new token each, rated in prompt
+tokens computed per second (HF not run). Sampling at temperature 1.0, eos ignored on both sides so
+every request makes its full length. Every engine (one per dtype) and HF (fp32) run in their own
 process, and each repeat runs them one after the other, so a slow period of this shared machine
-hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the
-decode matmul shapes (per shape the faster of the engine's two kernels, oneDNN on packed weights
-and the blocked kernel) and the share of that roofline each engine reaches, GB/s of weights read
-at batch 1 and of weights and KV read at (t), each as a share of the machine's read bandwidth
-(the faster of a float32 sum and a 1-row blocked matmul over 0.5 GiB), and the bf16 engine's
-logprob error against HF fp32 and bf16.
+hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the decode
+matmul shapes (per shape the faster of the engine's two kernels, oneDNN on packed weights and the
+blocked kernel) and the share of that roofline each engine reaches, GB/s of weights read at batch 1
+and of weights and KV read at (t), each as a share of the machine's read bandwidth (the faster of a
+float32 sum and a 1-row blocked matmul over 0.5 GiB), and the bf16 engine's logprob error against
+HF fp32 and bf16.
 With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
 first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
 tokens) are printed for each engine; with --quantize-lm-head its lm_head is int8 too (else the
@@ -76,6 +77,8 @@ def long_tail_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
 
 # Workloads decoded on their cached prompts: a first call prefills them (not timed).
 WARM = {"t"}
+# Workloads rated in prompt tokens computed per second (HF not run).
+PREFILL = {"p"}
 
 
 def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, int]]:
@@ -86,6 +89,7 @@ def workloads(tokenizer, chosen: str) -> dict[str, tuple[list[list[int]], int, i
         "1": lambda: (chat_prompts(tokenizer, 1), 1, 64),
         "c": lambda: (chat_prompts(tokenizer, 64, long_system_prompt(tokenizer)), 1, 32),
         "t": lambda: (long_tail_prompts(tokenizer, 4, 2000), 1, 64),
+        "p": lambda: (long_tail_prompts(tokenizer, 4, 2000), 1, 1),
     }
     return {k: makers[k]() for k in chosen.split(",")}
 
@@ -122,8 +126,9 @@ def run_hotswap(prompts: list[list[int]], n: int, new: int, logprobs: bool = Fal
     elapsed = time.perf_counter() - start
     after = engine.scheduler.stats
     tokens = sum(len(o["output_ids"]) for o in outs)
+    computed = after["prefill_tokens"] - before["prefill_tokens"]
     result = {"tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens,
-              "prefill_computed": after["prefill_tokens"] - before["prefill_tokens"],
+              "prefill_tok_s": computed / elapsed, "prefill_computed": computed,
               "prompt_submitted": after["prompt_tokens"] - before["prompt_tokens"],
               "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if logprobs:
@@ -388,13 +393,14 @@ def main() -> None:
     for name, (prompts, n, new) in workloads(tokenizer, args.workloads).items():
         ours: dict[str, list[dict]] = {dt: [] for dt in dtypes}
         theirs = []
+        rate = "prefill_tok_s" if name in PREFILL else "tok_s"
         for _ in range(args.repeats):  # alternate: a slow period of the machine hits every side
             for dt in dtypes:
                 ours[dt].append(engines[dt].apply(run_hotswap, (prompts, n, new),
                                                   {"warm": name in WARM}))
-            if hf_pool is not None and name not in WARM:
+            if hf_pool is not None and name not in WARM | PREFILL:
                 theirs.append(hf_pool.apply(run_hf, (path, prompts, n, new, pad))["tok_s"])
-        med = {dt: statistics.median(r["tok_s"] for r in ours[dt]) for dt in dtypes}
+        med = {dt: statistics.median(r[rate] for r in ours[dt]) for dt in dtypes}
         hf_med = statistics.median(theirs) if theirs else float("nan")
         notes = [f"{dt}/HF {med[dt] / hf_med:.2f}x" for dt in dtypes]
         if "bfloat16" in med and "float32" in med:
@@ -419,7 +425,7 @@ def main() -> None:
         cols = "".join(f"{med[dt]:>18.1f}" for dt in dtypes)
         print(f"{name:<9}{cols}{hf_med:>10.1f}  {'; '.join(notes)}", flush=True)
         if args.repeats > 1:  # every run, and each repeat's own ratios (robust to slow periods)
-            runs = {dt: [r["tok_s"] for r in ours[dt]] for dt in dtypes} | {"HF": theirs}
+            runs = {dt: [r[rate] for r in ours[dt]] for dt in dtypes} | {"HF": theirs}
             print(f"{'':<9}runs: " + "; ".join(
                 f"{k} [{', '.join(f'{v:.0f}' for v in vals)}]" for k, vals in runs.items()))
             pairs = [("bfloat16", "float32"), ("int8", "bfloat16")]

@@ -1,10 +1,10 @@
 """The CPU backend (and the reference elsewhere): no Python loop over rows.
 
 On the CPU, where layers/cpu_kernels.py is built, decode rows run its fused paged-attention
-kernel over the pool itself, and so do short extend rows (a query per token, see
-KERNEL_EXTEND_MAX_KEYS); a step with only such rows runs every layer as one fused call (see
-fused_decode_inputs). What follows is the torch-ops path, for longer extend rows always and for
-decode rows elsewhere.
+kernel over the pool itself, and so do extend rows (a query per token; on AMX CPUs short ones
+only, see AMX_EXTEND_MAX_KEYS); a step with only such rows runs every layer as one fused call
+(see fused_decode_inputs). What follows is the torch-ops path, for the other extend rows and
+for decode rows elsewhere.
 
 Decode rows (one new token) and extend rows (several) are handled apart. Extend rows run one
 padded SDPA with a causal mask. Decode rows run as batched matmuls over (row, kv head) pairs:
@@ -19,6 +19,7 @@ rows in one matmul (cascade), and only each row's own suffix is gathered.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from hotswap.engine.attention.base import AttentionBackend, FusedDecodeInputs
 from hotswap.engine.core.forward_batch import ForwardBatch, flat_ranges
 from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.linear import AMX_BF16
 
 # A shared decode prefix shorter than this is cheaper to gather per row than to split off.
 CASCADE_MIN_PREFIX = 64
@@ -35,11 +37,15 @@ CASCADE_MIN_PREFIX = 64
 # which is ~4x lower in float32 on CPU (measured: 1 row x 3 kv heads x 100 keys, 35 us against
 # 67 us for scores + softmax + weighted sum; 8 rows, 71 against 92 us; at 16 rows bf16 wins).
 DECODE_FP32_MAX_ROWS = 2400
-# On the CPU kernel, extend rows whose prefix + new tokens fit in this many keys run as one
-# query per token instead of in a padded SDPA call (measured, 2 threads, 30 layers' worth:
-# 64 rows of 42 tokens, bf16 2.5 against 6.7 ms a layer, fp32 2.7 against 7.3; at 128-200 keys
-# bf16 SDPA's AMX matmuls win by ~1.3x, fp32 loses up to ~1,000 keys).
-KERNEL_EXTEND_MAX_KEYS = 128
+# On the CPU kernel, extend rows run as one query per token instead of in a padded SDPA call:
+# every row, except in a bf16/fp16 pool on a CPU with AMX, whose SDPA matmuls win past 128 keys
+# (measured, 2 threads, 30 layers' worth: 64 rows of 42 tokens, bf16 2.5 against 6.7 ms a
+# layer, fp32 2.7 against 7.3; on an AMX CPU at 128-200 keys bf16 SDPA won by ~1.3x, fp32 SDPA
+# lost up to ~1,000 keys). Without AMX the kernel won (bench/extend.py on an EPYC with
+# AVX512-BF16, prefills, verify steps and questions after a cached prompt: bf16 1.27-2.56x,
+# float32 1.10-1.79x; under the AVX2 switch float32 1.04-1.50x, bf16 0.86-1.88x,
+# docs/performance.md#prefill-through-the-decode-kernel).
+AMX_EXTEND_MAX_KEYS = 128
 # Extend rows share one padded SDPA call while padding adds at most half the useful
 # query x key work, or any amount under PADDING_FREE (small calls cost their overhead).
 PADDING_SLACK = 1.5
@@ -86,16 +92,18 @@ class TorchAttnBackend(AttentionBackend):
         pool = self.kv_pool
         self.fused_decode = (pool.device.type == "cpu" and pool.dtype in cpu_kernels.DTYPES
                              and cpu_kernels.available())
+        self.extend_max_keys = (AMX_EXTEND_MAX_KEYS if AMX_BF16 and pool.dtype != torch.float32
+                                else math.inf)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         ext = torch.tensor(fb.extend_seq_lens_cpu)
         prefix = torch.tensor(fb.extend_prefix_lens_cpu)
         starts = ext.cumsum(0) - ext
         is_decode = ext == 1
-        if self.fused_decode:  # short extend rows too, each token a query of the kernel
+        if self.fused_decode:  # extend rows too, each token a query of the kernel
             # Batch-invariant: every row, so that a token's attention has the same bits whether
             # its context came from a prefill, a chunk, decode steps or the prefix cache.
-            is_decode |= (prefix + ext <= KERNEL_EXTEND_MAX_KEYS) | self.batch_invariant
+            is_decode |= (prefix + ext <= self.extend_max_keys) | self.batch_invariant
         decode_rows, extend_rows = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
         decode = (self._build_decode(fb, decode_rows, prefix, ext, starts)
                   if decode_rows.numel() else None)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from fixtures import Seq, run_step
 
-from hotswap.engine.attention.torch_backend import KERNEL_EXTEND_MAX_KEYS
+from hotswap.engine.attention import torch_backend
+from hotswap.engine.attention.torch_backend import AMX_EXTEND_MAX_KEYS
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.executor import sampling
 from hotswap.engine.executor.model_runner import ModelRunner
@@ -276,12 +277,13 @@ def _runner(path: str, dtype: str) -> ModelRunner:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dtype):
+@pytest.mark.parametrize("limit", [AMX_EXTEND_MAX_KEYS, math.inf], ids=["amx", "no-amx"])
+def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dtype, limit):
     """A prefill of short prompts and decode-only steps (the fused layer; Qwen3's q/k norms keep
-    the layer-by-layer path), steps with an extend row past KERNEL_EXTEND_MAX_KEYS (padded SDPA
-    beside the kernel) and decode steps of 3 rows and 1 (bf16: small_linear; the prefill: oneDNN)
-    against the same model with the kernels off: float32 within float32 rounding, bf16 within
-    bf16 rounding of the logits."""
+    the layer-by-layer path), steps with an extend row past 128 keys (on an AMX CPU padded SDPA
+    beside the kernel, elsewhere the kernel: then every step runs fused) and decode steps of 3
+    rows and 1 (bf16: small_linear) against the same model with the kernels off: float32 within
+    float32 rounding, bf16 within bf16 rounding of the logits."""
     calls = []
     decode_layers = cpu_kernels.decode_layers
     monkeypatch.setattr(cpu_kernels, "decode_layers", lambda *a: calls.append(1) or
@@ -290,7 +292,7 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     plain = _runner(tiny_model_path, dtype)
     monkeypatch.setattr(cpu_kernels, "_loaded", True)
-    assert KERNEL_EXTEND_MAX_KEYS < 150
+    fused.attn_backend.extend_max_keys = limit
     tokens = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((20, 50, 200))]
     seqs = {r: [Seq(r, t) for t in tokens] for r in (fused, plain)}
     plans = ([[(0, 3), (1, 40)], [(2, 150), (0, 1)], [(1, 1), (2, 30)]]
@@ -300,8 +302,21 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
         a, b = ([run_step(r, [(seqs[r][i], n) for i, n in plan]) for r in (fused, plain)])
         for x, y in zip(a, b):
             assert (x - y).abs().max().item() < tol
-    # the short prefill and four decode-only steps, all layers in one call each
-    assert len(calls) == (0 if fused.model_config.qk_norm else 5)
+    # the short prefill and four decode-only steps, all layers in one call each; without the
+    # AMX limit the two steps with rows past 128 keys too
+    assert len(calls) == (0 if fused.model_config.qk_norm else 5 if limit < 150 else 7)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_extend_rows_past_128_keys_take_sdpa_only_in_bf16_on_amx(tiny_model_path, monkeypatch,
+                                                                 amx, dtype):
+    """The backend's limit on the keys of an extend row that takes the kernel: 128 for a bf16
+    pool on an AMX CPU (its SDPA matmuls win past it), none elsewhere."""
+    monkeypatch.setattr(torch_backend, "AMX_BF16", amx)
+    runner = _runner(tiny_model_path, dtype)
+    expected = AMX_EXTEND_MAX_KEYS if amx and dtype == "bfloat16" else math.inf
+    assert runner.attn_backend.extend_max_keys == expected
 
 
 def _scale_weights(runner: ModelRunner, factors: dict[str, float]) -> None:
