@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.engine.attention.base import AttentionBackend, FusedDecodeInputs
-from hotswap.engine.core.forward_batch import ForwardBatch, flat_ranges
+from hotswap.engine.core.forward_batch import ForwardBatch, ForwardMode, flat_ranges
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.linear import AMX_BF16
 
@@ -96,6 +96,10 @@ class TorchAttnBackend(AttentionBackend):
                                 else math.inf)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if self.fused_decode and fb.mode is ForwardMode.DECODE:  # a query per row, in order
+            fb.attn_metadata = _Metadata(_Decode(None, _FusedDecode(fb.req_pool_indices,
+                                                                    fb.seq_lens)), [])
+            return
         ext = torch.tensor(fb.extend_seq_lens_cpu)
         prefix = torch.tensor(fb.extend_prefix_lens_cpu)
         starts = ext.cumsum(0) - ext

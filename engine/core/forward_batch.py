@@ -95,12 +95,15 @@ class ForwardBatch:
         `logits_indices` defaults to the last new token of every row.
         """
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        positions = flat_ranges(torch.tensor(prefix_lens, dtype=torch.int64),
-                                torch.tensor(extend_lens, dtype=torch.int64))
+        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+        if mode is ForwardMode.DECODE:  # a token a row: at its prefix's length
+            positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        else:
+            positions = flat_ranges(torch.tensor(prefix_lens, dtype=torch.int64),
+                                    torch.tensor(extend_lens, dtype=torch.int64))
         if logits_indices is None:
             ends = torch.tensor(extend_lens).cumsum(0) - 1
             logits_indices = ends.tolist()
-        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
 
         def as_tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)

@@ -221,11 +221,12 @@ class KVManager:
         slots = self.allocator.alloc_extend(starts, last, lens)
         if slots is None:
             return None
-        counts = torch.tensor(lens, dtype=torch.int64)
-        rows = torch.repeat_interleave(
-            torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), counts)
-        self.req_to_token.write_cells(
-            rows, flat_ranges(torch.tensor(starts, dtype=torch.int64), counts), slots)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor(starts, dtype=torch.int64)
+        if any(n != 1 for n in lens):  # not a decode step: each row's run of cells
+            counts = torch.tensor(lens, dtype=torch.int64)
+            rows, cols = torch.repeat_interleave(rows, counts), flat_ranges(cols, counts)
+        self.req_to_token.write_cells(rows, cols, slots)
         for req, part in zip(reqs, slots.split(lens)):
             req.kv_slots = torch.cat((req.kv_slots, part))
         return slots

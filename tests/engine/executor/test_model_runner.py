@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -9,7 +11,7 @@ from fixtures import Seq, random_ids, run_step
 
 from hotswap.engine.attention.torch_backend import AMX_EXTEND_MAX_KEYS
 from hotswap.engine.config import EngineConfig, ModelConfig
-from hotswap.engine.core.forward_batch import ForwardBatch
+from hotswap.engine.core.forward_batch import ForwardBatch, ForwardMode, flat_ranges
 from hotswap.engine.executor.model_runner import ModelRunner
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.linear import can_pack
@@ -91,6 +93,40 @@ def test_decode_batch_of_different_lengths(tiny_llama_path):
         ours = torch.cat([step[i] for step in outs])
         ref = hf_logits(tiny_llama_path, seq.tokens)[-8:]
         assert (ours - ref).abs().max().item() < TOL
+
+
+def test_decode_step_takes_the_general_paths_metadata_without_building_it(tiny_llama_path):
+    """A decode step (a token a row) skips the per-row index arithmetic: its positions and the
+    fused kernel's inputs equal what the general extend-row path builds for the same rows."""
+    runner = make_runner(tiny_llama_path)
+    backend = runner.attn_backend
+    if not backend.fused_decode:
+        pytest.skip("CPU kernels not built here (see the log)")
+    seqs = [Seq(runner, random_ids(n + 1, seed=n)) for n in (5, 12, 40)]
+    run_step(runner, [(s, len(s.tokens) - 1) for s in seqs])
+    ids, slots, rows, prefixes = [], [], [], []
+    for seq in seqs:
+        i, sl, p, _ = seq.plan(1)
+        ids, rows, prefixes = ids + i, rows + [seq.row], prefixes + [p]
+        slots.append(sl)
+    fb = ForwardBatch.build(ids, torch.cat(slots), rows, prefixes, [1] * len(seqs))
+    assert fb.mode is ForwardMode.DECODE
+    ones = torch.ones(len(seqs), dtype=torch.int64)
+    assert fb.positions.tolist() == flat_ranges(torch.tensor(prefixes), ones).tolist()
+    assert fb.positions.tolist() == [5, 12, 40]
+    backend.init_forward_metadata(fb)
+    quick = fb.attn_metadata
+    extend_fb = dataclasses.replace(fb, mode=ForwardMode.EXTEND)
+    backend.init_forward_metadata(extend_fb)
+    general = extend_fb.attn_metadata
+    assert quick.extend == general.extend == []
+    assert quick.decode.tokens is None and general.decode.tokens is None
+    assert torch.equal(quick.decode.fused.req_idx, general.decode.fused.req_idx)
+    assert torch.equal(quick.decode.fused.seq_lens, general.decode.fused.seq_lens)
+    assert quick.decode.fused.seq_lens.tolist() == [6, 13, 41]
+    ours = runner.forward(fb)
+    for seq, row in zip(seqs, ours):
+        assert (row - hf_logits(tiny_llama_path, seq.tokens)[-1]).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["cascade", "fused-kernel"])
