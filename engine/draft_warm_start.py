@@ -1,14 +1,16 @@
 """Warm start of the learned draft: distil it from the policy's own generations, on CPU.
 
-    python -m hotswap.engine.speculative.train_draft MODEL_PATH [--out DIR] [--minutes 5]
-        [--samples N] [--max-new-tokens 128] [--temperature 1.0] [--vocab 8192] [--seed 0]
+    python -m hotswap.engine.speculative.train_draft MODEL_PATH [--out DIR] [--minutes 6]
+        [--samples N] [--prompts FILE] [--max-new-tokens 128] [--temperature 1.0]
+        [--vocab 8192] [--seed 0]
 
-1. sample the policy with the Engine at the temperature (pure sampling); 2. compute its features
-F (after the final norm) and the full-vocab logsumexp of its logits with HF transformers; 3. pick
-the draft vocabulary: the tokens it emits most, plus EOS; 4. train (10% of sequences held out)
-for --minutes, printing loss, one-step acceptance and the k=4 chained accepted length per epoch;
-5. save beside the model (MODEL_PATH/draft). It lives here, not in speculative/, because it runs
-the Engine, which sits above speculative/ in the import order.
+1. sample the policy with the Engine at the temperature (pure sampling), a quarter of the prompts
+the task's and the rest written by the policy itself (speculative/draft_data.py); 2. compute its
+features F (after the final norm) and the full-vocab logsumexp of its logits with HF
+transformers; 3. pick the draft vocabulary: the tokens it emits most, plus EOS; 4. train (10% of
+sequences held out) for --minutes, printing loss, one-step acceptance and the k=4 chained
+accepted length per epoch; 5. save beside the model (MODEL_PATH/draft). It lives here, not in
+speculative/, because it runs the Engine, which sits above speculative/ in the import order.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -36,14 +39,48 @@ DEFAULT_VOCAB = 8192
 EVAL_CHAIN = 4
 
 
-def sample_rollouts(model_path: str, prompts: list[list[int]], max_new_tokens: int,
+def sample_rollouts(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
                     temperature: float, seed: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per prompt, each request seeded: seed + its index."""
     params = [{"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed + i}
               for i in range(len(prompts))]
-    with Engine(model_path, dtype="float32", seed=seed) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
     return [(p, list(out["output_ids"])) for p, out in zip(prompts, outs)]
+
+
+def written_prompts(engine: Engine, tokenizer: Any, count: int, temperature: float,
+                    seed: int, max_tokens: int = 96) -> list[str]:
+    """`count` user messages the policy writes itself (draft_data's module docstring); a
+    message cut at `max_tokens` is kept as it is, an empty one is written again."""
+    head, close = draft_data.user_turn(tokenizer)
+    stop = close[:1]
+    texts: list[str] = []
+    for attempt in range(4):
+        want = count - len(texts)
+        if want <= 0:
+            break
+        params = [{"temperature": temperature, "max_new_tokens": max_tokens,
+                   "seed": seed + attempt * count + i, "stop_token_ids": stop}
+                  for i in range(want)]
+        for out in engine.generate(input_ids=[head] * want, sampling_params=params):
+            ids = [t for t in out["output_ids"] if t not in stop]
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            texts += [text] if text else []
+    if len(texts) < count:
+        raise RuntimeError(f"the policy wrote {len(texts)} non-empty prompts of {count} in four "
+                           "rounds: give the task's prompts with --prompts")
+    return texts
+
+
+def build_prompts(engine: Engine, tokenizer: Any, args: argparse.Namespace) -> list[list[int]]:
+    """--samples prompts in a seeded order: the task's share, then the policy's own."""
+    tasks = round(args.samples * draft_data.TASK_SHARE)
+    chats = draft_data.task_chats(tasks, args.seed, args.prompts)
+    chats += [[{"role": "user", "content": text}] for text in
+              written_prompts(engine, tokenizer, args.samples - tasks, args.temperature,
+                              args.seed + 1_000_000)]
+    random.Random(args.seed).shuffle(chats)
+    return [draft_data.encode_chat(tokenizer, c) for c in chats]
 
 
 def report(epoch: int, loss: float, result: EvalResult, elapsed: float) -> None:
@@ -85,8 +122,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description="Distil a learned draft from the policy's samples.")
     p.add_argument("model_path")
     p.add_argument("--out", default=None, help="checkpoint folder (default MODEL_PATH/draft)")
-    p.add_argument("--minutes", type=float, default=5.0, help="training time")
-    p.add_argument("--samples", type=int, default=512, help="rollouts to distil from")
+    p.add_argument("--minutes", type=float, default=6.0, help="training time")
+    p.add_argument("--samples", type=int, default=1024, help="rollouts to distil from")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL of the task's prompts ({\"messages\": [...]} or {\"prompt\": "
+                        "\"...\"} a line): a quarter of the rollouts (default: the GRPO job's "
+                        "additions); the policy writes the rest")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="draft vocabulary size")
@@ -111,10 +152,10 @@ def warm_start(argv: list[str] | None = None) -> str:
     begin = time.monotonic()
     torch.manual_seed(args.seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_path)
-    prompts = [draft_data.encode_chat(tokenizer, c)
-               for c in draft_data.prompt_chats(args.samples, args.seed)]
-    rollouts = sample_rollouts(args.model_path, prompts, args.max_new_tokens, args.temperature,
-                               args.seed)
+    with Engine(args.model_path, dtype="float32", seed=args.seed) as engine:
+        prompts = build_prompts(engine, tokenizer, args)
+        rollouts = sample_rollouts(engine, prompts, args.max_new_tokens, args.temperature,
+                                   args.seed)
     print(f"sampled {len(rollouts)} rollouts, {sum(len(r) for _, r in rollouts)} tokens "
           f"({time.monotonic() - begin:.0f}s)", flush=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path,

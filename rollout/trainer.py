@@ -19,9 +19,10 @@ AutoModelForImageTextToText and scored one sample per forward with its images
 
 With a learned draft (the GRPO job's --speculative draft), each step also trains the draft
 (engine/speculative/train_draft.py's DraftTrainer) on the decoder states the policy's forward
-computed anyway, detached, one sequence per sample (prompt + response) with the loss on the
-positions that predict a response token; `named_weights` then carries its `draft.*` tensors, so
-the push that brings the new policy brings the draft trained beside it, under one version.
+computed anyway, detached, on the same packed units (each prompt once, its responses continuing
+it) with the loss on the positions that predict a response token; `named_weights` then carries
+its `draft.*` tensors, so the push that brings the new policy brings the draft trained beside
+it, under one version.
 """
 
 from __future__ import annotations
@@ -346,33 +347,33 @@ class Trainer:
         inputs, self._draft_inputs = self._draft_inputs, []
         if self.draft is None or not inputs:
             return {}
-        ids, features, mask, valid = draft_sequences(inputs)
-        out = self.draft.step(ids, features, None, mask, attention_mask=valid)
+        units = draft_units(inputs)
+        out = self.draft.step(units["input_ids"], units["features"], None, units["loss_mask"],
+                              position_ids=units["position_ids"],
+                              attention_mask=units["segments"] >= 0,
+                              segments=units["segments"])
         return {"draft/loss": out["loss"], "draft/acceptance_est": out["acceptance_estimate"],
                 "time/draft_train_s": out["seconds"]}
 
 
-def draft_sequences(inputs: list[tuple[Packed, torch.Tensor]]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each sample of the packed units as its own sequence, prompt + response (without its last
-    token, as packed), right-padded: ids [S, L], states [S, L, H], the loss mask of the
-    positions predicting a response token (from the prompt's last on), and where the sequences
-    are."""
-    seqs = []
-    for packed, hidden in inputs:
-        for n, segments in enumerate(packed.segments):
-            prompt = (segments == 0).nonzero().squeeze(1)
-            for k in range(1, int(segments.max()) + 1):
-                index = torch.cat((prompt, (segments == k).nonzero().squeeze(1)))
-                seqs.append((packed.input_ids[n, index], hidden[n, index], len(prompt)))
-    length = max(len(ids) for ids, _, _ in seqs)
-    ids = torch.zeros((len(seqs), length), dtype=torch.long)
-    valid = torch.zeros((len(seqs), length), dtype=torch.bool)
-    features = torch.zeros((len(seqs), length, seqs[0][1].shape[-1]), dtype=seqs[0][1].dtype)
-    mask = torch.zeros((len(seqs), length), dtype=torch.bool)
-    for i, (seq_ids, states, prompt) in enumerate(seqs):
-        ids[i, :len(seq_ids)] = seq_ids
-        valid[i, :len(seq_ids)] = True
-        features[i, :len(seq_ids)] = states
-        mask[i, prompt - 1: len(seq_ids)] = True
-    return ids, features, mask, valid
+def draft_units(inputs: list[tuple[Packed, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The step's packed units as the draft's rows, right-padded to the longest: each prompt
+    once with its responses continuing it (`segments`), the decoder states beside them, and the
+    loss on the positions that predict a response token (the prompt's last, once, and every
+    response position: packed rows hold a response without its last token)."""
+    length = max(packed.input_ids.shape[1] for packed, _ in inputs)
+
+    def pad(t: torch.Tensor, value: int = 0) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]),
+                                       value=value)
+
+    segments = torch.cat([pad(p.segments, -1) for p, _ in inputs])
+    loss_mask = segments > 0
+    column = torch.arange(length).expand_as(segments)
+    last_prompt = torch.where(segments == 0, column, -1).amax(-1)
+    rows = (last_prompt >= 0).nonzero().squeeze(1)
+    loss_mask[rows, last_prompt[rows]] = True
+    return {"input_ids": torch.cat([pad(p.input_ids) for p, _ in inputs]),
+            "position_ids": torch.cat([pad(p.position_ids) for p, _ in inputs]),
+            "features": torch.cat([pad(h.detach()) for _, h in inputs]),
+            "segments": segments, "loss_mask": loss_mask}

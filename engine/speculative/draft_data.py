@@ -1,12 +1,15 @@
 """The warm-start draft's data: prompts, the policy's features over its rollouts, the draft's
 vocabulary and padded batches (engine/draft_warm_start.py samples the rollouts and trains).
 
-Prompts follow the GRPO main job (rollout/tasks.py: single-digit addition under the chat
-template) with a quarter of generic chat prompts, whose longer answers carry most tokens.
+A quarter of the prompts are the task's: the GRPO main job's (rollout/tasks.py: single-digit
+addition under the chat template) or the user's own (--prompts FILE). The rest the policy writes
+itself: its chat template up to a user turn, sampled until the turn ends, gives the requests the
+policy expects to answer, as many and as varied as asked, with no dataset.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from typing import Any, NamedTuple
@@ -14,19 +17,10 @@ from typing import Any, NamedTuple
 import torch
 
 ADDITION = "What is {a} + {b}? Reply with just the number."  # rollout/tasks.py addition_rows
-CHAT_PROMPTS = (
-    "Write a short poem about the sea.", "Explain what a prime number is.",
-    "Give me three tips for learning to cook.", "What is the capital of France?",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-    "How do I reverse a list in Python?", "Why is the sky blue?",
-    "Tell me a joke about computers.", "What are the benefits of regular exercise?",
-    "Describe a cat to someone who has never seen one.", "What is 12 times 7?",
-    "Translate 'good morning' into Spanish and French.", "List four colours of the rainbow.",
-    "Write a haiku about autumn.", "What does a CPU do?", "How many days are in a leap year?",
-)
-CHAT_SHARE = 0.25
+TASK_SHARE = 0.25
 EVAL_SHARE = 0.1
 ROWS_PER_BATCH = 4  # more, smaller steps: measured better per minute than 16
+_MARKER = "\x00hotswap-draft-prompt\x00"
 
 
 def full_vocab_lse(features: torch.Tensor, head_weight: torch.Tensor, temperature: float,
@@ -44,16 +38,46 @@ class Sample(NamedTuple):
     lse: torch.Tensor  # [L] full-vocab logsumexp of logits / T
 
 
-def prompt_chats(count: int, seed: int) -> list[list[dict[str, str]]]:
+def task_chats(count: int, seed: int, path: str | None = None) -> list[list[dict[str, str]]]:
+    """`count` chats of the task: drawn from FILE's lines (JSON: {"messages": [...]} or
+    {"prompt": "a user message"}), else single-digit additions as the GRPO main job asks them."""
     rng = random.Random(seed)
+    if path is None:
+        return [[{"role": "user", "content": ADDITION.format(a=rng.randint(1, 9),
+                                                             b=rng.randint(1, 9))}]
+                for _ in range(count)]
+    chats = read_prompts(path)
+    return [rng.choice(chats) for _ in range(count)]
+
+
+def read_prompts(path: str) -> list[list[dict[str, str]]]:
     chats = []
-    for _ in range(count):
-        if rng.random() < CHAT_SHARE:
-            content = rng.choice(CHAT_PROMPTS)
-        else:
-            content = ADDITION.format(a=rng.randint(1, 9), b=rng.randint(1, 9))
-        chats.append([{"role": "user", "content": content}])
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                chat = (row["messages"] if "messages" in row
+                        else [{"role": "user", "content": row["prompt"]}])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: expected a JSON object with 'messages' (a "
+                                 f"chat) or 'prompt' (a user message): {e}") from None
+            chats.append(chat)
+    if not chats:
+        raise ValueError(f"{path}: no prompts")
     return chats
+
+
+def user_turn(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The chat template around one user message: the ids before its text (any default system
+    turn, the user header) and the ids that close it (the first is where a written prompt
+    stops)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
+    if text.count(_MARKER) != 1:
+        raise ValueError("the chat template does not render a user message verbatim")
+    return tuple([int(t) for t in tokenizer(part, add_special_tokens=False)["input_ids"]]
+                 for part in text.split(_MARKER))
 
 
 def encode_chat(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:

@@ -47,43 +47,76 @@ def policy_weights_sha(policy: nn.Module) -> str:
 
 
 class SequenceLayout(NamedTuple):
-    """Where each of [B, L] tokens sits: its position, its sequence within the row (packed rows
-    hold several; a sequence starts where the position is 0) and whether it is a real token."""
+    """Where each of [B, L] tokens sits: its position, the index of the token before it in its
+    sequence (-1 where the sequence starts), the tokens of the row that precede it there (itself
+    included) and whether it is a real token. A row holds one sequence, several packed back to
+    back (a sequence starts where the position is 0), or a GRPO unit: a prompt (segment 0)
+    that each of the other segments continues, so the prompt is computed once."""
 
     positions: torch.Tensor
-    segments: torch.Tensor
+    previous: torch.Tensor  # [B, L] long
+    ancestors: torch.Tensor  # [B, L, L] bool: [t, u] u is t or comes before it in its sequence
     valid: torch.Tensor
 
 
 def sequence_layout(input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                    attention_mask: torch.Tensor | None) -> SequenceLayout:
+                    attention_mask: torch.Tensor | None,
+                    segments: torch.Tensor | None = None) -> SequenceLayout:
+    """`segments` ([B, L], 0: a shared prompt, k > 0: its k-th continuation, -1: padding) makes
+    the rows GRPO units; without it the sequences are told apart by their positions."""
     valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
              else attention_mask.bool())
     if position_ids is None:
         position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    segments = (position_ids == 0).long().cumsum(-1)
-    return SequenceLayout(position_ids, segments, valid)
+    t = torch.arange(input_ids.shape[1], device=input_ids.device)
+    previous = (t - 1).expand_as(input_ids).clone()
+    if segments is None:
+        sequence = (position_ids == 0).long().cumsum(-1)
+        previous[position_ids == 0] = -1
+        ancestors = sequence[:, :, None] == sequence[:, None, :]
+    else:
+        starts = (segments > 0) & (segments != F.pad(segments, (1, 0), value=-1)[:, :-1])
+        last_prompt = torch.where(segments == 0, t, -1).amax(-1, keepdim=True)
+        previous = torch.where(starts, last_prompt.expand_as(previous), previous)
+        previous[:, 0] = -1
+        ancestors = ((segments[:, :, None] == segments[:, None, :])
+                     | ((segments[:, None, :] == 0) & (segments[:, :, None] > 0)))
+    ancestors = ancestors & (t[None, :] <= t[:, None]) & valid[:, None, :]
+    return SequenceLayout(position_ids, previous, ancestors, valid)
 
 
 def shift_features(features: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """F_{s-1} at s; zeros where a sequence starts."""
-    shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
-    return shifted * (layout.positions > 0).unsqueeze(-1).to(shifted.dtype)
+    """F_{s-1} at s (the feature of the token before it in its sequence); zeros where a
+    sequence starts."""
+    index = layout.previous.clamp(min=0).unsqueeze(-1).expand_as(features)
+    shifted = features.gather(1, index)
+    return shifted * (layout.previous >= 0).unsqueeze(-1).to(shifted.dtype)
+
+
+def back(layout: SequenceLayout, steps: int) -> torch.Tensor:
+    """[B, L] the index `steps` tokens before each token in its sequence (-1: before its start)."""
+    index = torch.arange(layout.previous.shape[1], device=layout.previous.device)
+    index = index.expand_as(layout.previous)
+    for _ in range(steps):
+        index = torch.where(index >= 0, layout.previous.gather(1, index.clamp(min=0)), index)
+    return index
 
 
 def level_mask(layout: SequenceLayout, level: int) -> torch.Tensor:
     """Which keys a level-`level` query sees, bool [B, 1, L, level * L] over the keys of levels
-    1..level side by side. The chain ending at t started at s = t - level + 1: it sees level 1
-    (teacher-forced, the verified tokens) up to s, and level i's key at s + i - 1 for i >= 2."""
+    1..level side by side. The chain ending at t started `level - 1` tokens before it, at s: it
+    sees level 1 (teacher-forced, the verified tokens) up to s, and level i's key i - 1 tokens
+    after s, for i >= 2."""
     length = layout.positions.shape[1]
     t = torch.arange(length, device=layout.positions.device)
-    same = layout.segments[:, :, None] == layout.segments[:, None, :]
-    first = same & layout.valid[:, None, :] & (t[None, :] <= t[:, None] - level + 1)
-    blocks = [first]
+    start = back(layout, level - 1)
+    first = layout.ancestors.gather(1, start.clamp(min=0).unsqueeze(-1).expand(-1, -1, length))
+    blocks = [first & (start >= 0).unsqueeze(-1)]
     for i in range(2, level + 1):
-        blocks.append(same & (t[None, :] == t[:, None] - level + i))
+        key = back(layout, level - i)
+        blocks.append((key[:, :, None] == t[None, None, :]) & (key >= 0).unsqueeze(-1))
     if level == 1:  # a padded query sees itself: no row is empty
-        blocks[0] = first | torch.eye(length, dtype=torch.bool, device=t.device)
+        blocks[0] = blocks[0] | torch.eye(length, dtype=torch.bool, device=t.device)
     return torch.cat(blocks, dim=-1).unsqueeze(1)
 
 
@@ -193,23 +226,26 @@ class DraftNet(nn.Module):
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, head_weight: torch.Tensor,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *,
-                embed_weight: torch.Tensor | None = None) -> DraftOutput:
+                embed_weight: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> DraftOutput:
         """Teacher-forced: position s consumes (F_{s-1}, x_s). `embed_weight` defaults to
-        `head_weight` (tied embeddings)."""
+        `head_weight` (tied embeddings); `segments` as `sequence_layout`'s."""
         return self.forward_levels(input_ids, features, head_weight, 1, position_ids,
-                                   attention_mask, embed_weight=embed_weight)[0]
+                                   attention_mask, embed_weight=embed_weight,
+                                   segments=segments)[0]
 
     def forward_levels(self, input_ids: torch.Tensor, features: torch.Tensor,
                        head_weight: torch.Tensor, levels: int,
                        position_ids: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, *,
                        embed_weight: torch.Tensor | None = None,
-                       with_logits: bool = True) -> list[DraftOutput]:
+                       with_logits: bool = True,
+                       segments: torch.Tensor | None = None) -> list[DraftOutput]:
         """Levels 1..`levels`: level j at position t is step j of the chain that started at
         t - j + 1 (its input feature is level j-1's G at t - 1; level 0 is F). A level-j output
         at t is meaningful only where the position is >= j - 1 (`chain_valid`). Without
         `with_logits` the logits are left empty (the caller takes `head_logits` where needed)."""
-        layout = sequence_layout(input_ids, position_ids, attention_mask)
+        layout = sequence_layout(input_ids, position_ids, attention_mask, segments)
         embed = head_weight if embed_weight is None else embed_weight
         emb = F.embedding(input_ids, embed).float()
         freqs = layout.positions.unsqueeze(-1).float() * self.inv_freq
@@ -269,11 +305,14 @@ class LossConfig:
 def draft_loss(net: DraftNet, batch: dict[str, torch.Tensor], head_weight: torch.Tensor,
                embed_weight: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, one-step acceptance estimate) over `batch`: input_ids, features, loss_mask and
-    optionally position_ids, attention_mask, lse ([B, L]) or policy_logits ([B, L, V])."""
-    ids, feats = batch["input_ids"], batch["features"]
-    layout = sequence_layout(ids, batch.get("position_ids"), batch.get("attention_mask"))
+    optionally position_ids, attention_mask, segments (`sequence_layout`), lse ([B, L]) or
+    policy_logits ([B, L, V])."""
+    ids, feats, segments = batch["input_ids"], batch["features"], batch.get("segments")
+    layout = sequence_layout(ids, batch.get("position_ids"), batch.get("attention_mask"),
+                             segments)
     outs = net.forward_levels(ids, feats, head_weight, cfg.levels, layout.positions,
-                              layout.valid, embed_weight=embed_weight, with_logits=False)
+                              layout.valid, embed_weight=embed_weight, with_logits=False,
+                              segments=segments)
     head = net.map_head(head_weight)
     loss_mask = batch["loss_mask"].bool() & layout.valid
     total, accept = feats.new_zeros(()).float(), feats.new_zeros(()).float()
@@ -325,15 +364,18 @@ class DraftTrainer:
              policy_logits_or_logprobs: torch.Tensor | None = None,
              loss_mask: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None,
-             lse: torch.Tensor | None = None) -> dict[str, float]:
+             lse: torch.Tensor | None = None,
+             segments: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step. Without policy logits the target p is the policy's distribution
         over token_map, renormalised there unless `lse` (full-vocab logsumexp of logits / T)
-        is given. Inputs [B, L] (features [B, L, H]) are detached."""
+        is given. Inputs [B, L] (features [B, L, H]) are detached; `segments` as
+        `sequence_layout`'s (rows that are GRPO units)."""
         start = time.perf_counter()
         if loss_mask is None:
             loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
         batch = {"input_ids": input_ids, "features": features.detach(), "loss_mask": loss_mask,
                  "position_ids": position_ids, "attention_mask": attention_mask, "lse": lse,
+                 "segments": segments,
                  "policy_logits": (None if policy_logits_or_logprobs is None
                                    else policy_logits_or_logprobs.detach())}
         batch = {k: v for k, v in batch.items() if v is not None}
@@ -391,7 +433,7 @@ def evaluate(net: DraftNet, batches: list[dict[str, torch.Tensor]], head_weight:
         expected, run = torch.zeros(rows, starts), torch.ones(rows, starts)
         for j in range(k):
             ok &= mask[:, j:j + starts] & chain_valid(layout, j + 1)[:, j:j + starts]
-            ok &= layout.segments[:, j:j + starts] == layout.segments[:, :starts]
+            ok &= back(layout, j)[:, j:j + starts] == torch.arange(starts)
             run = run * accept[j, :, j:j + starts]
             expected += run
         count += int(ok.sum())

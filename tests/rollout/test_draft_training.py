@@ -1,5 +1,5 @@
 """The GRPO job with a learned draft (--speculative draft): the trainer trains the draft on the
-states of its own forward, one sequence per sample, and every push carries the draft with the
+states of its own forward, on its packed units, and every push carries the draft with the
 policy under one version; --freeze-draft leaves it stale."""
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ def model_path(tmp_path_factory) -> str:
     return path
 
 
-def test_the_draft_trains_on_each_samples_own_sequence(model_path, monkeypatch):
-    """What the draft step gets: per sample its prompt + response ids, the policy's states of
-    that sequence (as a forward over it alone gives them), the loss on the positions that
-    predict a response token."""
+def test_the_draft_trains_on_the_packed_units(model_path, monkeypatch):
+    """What the draft step gets: the trainer's packed units, each prompt once with its responses
+    continuing it (`segments`); along each response's path (the prompt, then its segment) the
+    ids are prompt + response as packed, the states those of a forward over that sequence
+    alone, and the loss covers the positions that predict a response token."""
     seen = {}
     step = DraftTrainer.step
 
     def spy(self, ids, features, logits, mask, **kwargs):
-        seen.update(ids=ids, features=features, mask=mask, valid=kwargs["attention_mask"])
+        seen.update(ids=ids, features=features, mask=mask, **kwargs)
         return step(self, ids, features, logits, mask, **kwargs)
 
     monkeypatch.setattr(DraftTrainer, "step", spy)
@@ -51,17 +52,27 @@ def test_the_draft_trains_on_each_samples_own_sequence(model_path, monkeypatch):
     assert metrics["time/draft_train_s"] > 0 and metrics["draft/loss"] > 0
     # as packed: a response without its last token (a 1-token response adds no position)
     rows = {(tuple(t.prompt_ids), tuple(t.response_ids[:-1])) for t in batch.trajectories}
-    seqs = [ids[valid].tolist() for ids, valid in zip(seen["ids"], seen["valid"])]
-    assert {p + r for p, r in rows if r} <= {tuple(s) for s in seqs}
-    decoder = trainer.model.get_decoder()
-    for seq, feats, mask, valid in zip(seqs, seen["features"], seen["mask"], seen["valid"]):
-        match = [(p, r) for p, r in rows if list(p + r) == seq]
-        assert match, seq
-        prompt = len(match[0][0])
-        assert mask.nonzero().squeeze(1).tolist() == list(range(prompt - 1, len(seq)))
-        with torch.no_grad():  # lr 0: the policy's step left its states as they were
-            want = decoder(input_ids=torch.tensor([seq])).last_hidden_state[0]
-        assert torch.allclose(feats[valid], want, atol=1e-4)
+    segments = seen["segments"]
+    assert len(segments) < len(batch.trajectories)  # prompts shared, not one row per sample
+    assert torch.equal(seen["attention_mask"], segments >= 0)
+    decoder, paths = trainer.model.get_decoder(), set()
+    for n, row in enumerate(segments):
+        prompt = (row == 0).nonzero()[:, 0]
+        assert torch.equal(prompt, torch.arange(len(prompt)))
+        for k in range(1, int(row.max()) + 1):
+            cols = torch.cat([prompt, (row == k).nonzero()[:, 0]])
+            seq = seen["ids"][n, cols].tolist()
+            assert seen["position_ids"][n, cols].tolist() == list(range(len(seq)))
+            match = [(p, r) for p, r in rows if list(p + r) == seq]
+            assert match, seq
+            paths.add(tuple(seq))
+            mask = seen["mask"][n, cols].nonzero()[:, 0].tolist()
+            assert mask == list(range(len(match[0][0]) - 1, len(seq)))
+            with torch.no_grad():  # lr 0: the policy's step left its states as they were
+                want = decoder(input_ids=torch.tensor([seq])).last_hidden_state[0]
+            assert torch.allclose(seen["features"][n, cols], want, atol=1e-4)
+        assert not seen["mask"][n][row < 0].any()
+    assert {p + r for p, r in rows if r} <= paths
     names = [n for n, _ in trainer.named_weights()]
     assert "draft.fc.weight" in names and "draft.norm.weight" in names
 

@@ -102,6 +102,35 @@ def test_padded_and_packed_rows_equal_separate_sequences(policy):
     torch.testing.assert_close(padded[:, 9:], second, atol=1e-5, rtol=1e-5)
 
 
+def test_grpo_units_equal_each_response_as_its_own_sequence(policy):
+    """A unit row (a prompt once, each response continuing it, as the trainer packs them) gives
+    at every level the outputs of prompt + response run alone, prompt positions included."""
+    net = DraftNet(policy.config, all_tokens(policy))
+    head, embed = policy.get_output_embeddings().weight, policy.get_input_embeddings().weight
+    torch.manual_seed(0)
+    prompt, lengths = 5, [4, 1, 6]
+    width = prompt + sum(lengths) + 2  # two columns of padding
+    ids = torch.randint(0, policy.config.vocab_size, (1, width))
+    feats = torch.randn(1, width, 64)
+    segments = torch.tensor([[0] * prompt + [k + 1 for k, n in enumerate(lengths)
+                                              for _ in range(n)] + [-1, -1]])
+    positions = torch.tensor([list(range(prompt)) + [prompt + i for n in lengths
+                                                     for i in range(n)] + [0, 0]])
+    with torch.no_grad():
+        units = net.forward_levels(ids, feats, head, 3, positions, segments >= 0,
+                                   embed_weight=embed, segments=segments)
+        for k in range(len(lengths)):
+            cols = torch.cat([torch.arange(prompt), (segments[0] == k + 1).nonzero()[:, 0]])
+            alone = net.forward_levels(ids[:, cols], feats[:, cols], head, 3,
+                                       embed_weight=embed)
+            for level, (unit, own) in enumerate(zip(units, alone), start=1):
+                valid = slice(level - 1, None)  # chains that start inside the sequence
+                torch.testing.assert_close(unit.features[0, cols][valid],
+                                           own.features[0][valid], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(unit.logits[0, cols][valid], own.logits[0][valid],
+                                           atol=1e-4, rtol=1e-4)
+
+
 def test_chained_levels_follow_the_draft_own_features(policy):
     """Level 2 at t is step 2 of the chain from t-1: the same as a teacher-forced pass over the
     prefix up to t-1 whose last feature is replaced by level 1's G at t-1."""
@@ -218,6 +247,34 @@ def test_token_map_keeps_eos_and_the_most_emitted_tokens():
     assert draft_data.choose_token_map(rollouts, 100, 3, eos=[2]) == [2, 8, 9]
     # Filled up from the prompts' tokens, then the lowest free ids.
     assert draft_data.choose_token_map(rollouts, 100, 8, eos=[2]) == [0, 1, 2, 5, 6, 7, 8, 9]
+
+
+def test_task_prompts_come_from_the_file_or_the_grpo_job(tmp_path):
+    assert all("+" in chat[0]["content"] for chat in draft_data.task_chats(8, seed=0))
+    path = tmp_path / "task.jsonl"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    path.write_text(json.dumps({"messages": chat}) + "\n\n" + json.dumps({"prompt": "Sum 2+2"})
+                    + "\n")
+    drawn = draft_data.task_chats(20, seed=1, path=str(path))
+    assert len(drawn) == 20 and chat in drawn
+    assert [{"role": "user", "content": "Sum 2+2"}] in drawn
+    path.write_text(json.dumps({"text": "no prompt key"}) + "\n")
+    with pytest.raises(ValueError, match=r"task.jsonl:1: expected a JSON object"):
+        draft_data.task_chats(2, seed=0, path=str(path))
+
+
+def test_the_policy_writes_user_turns_from_its_own_template(policy):
+    from hotswap.engine.draft_warm_start import written_prompts
+    from hotswap.engine.engine import Engine
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(policy.name_or_path)
+    head, close = draft_data.user_turn(tokenizer)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    assert rendered == tokenizer.decode(head) + "x" + tokenizer.decode(close)
+    with Engine(policy.name_or_path, dtype="float32", seed=0) as engine:
+        texts = written_prompts(engine, tokenizer, 6, 1.0, seed=0, max_tokens=8)
+    assert len(texts) == 6 and all(t and t == t.strip() for t in texts)
+    assert len(set(texts)) > 1  # seeded draws, not one prompt six times
 
 
 @pytest.mark.slow
