@@ -12,10 +12,13 @@ drafted position consumes the draft's own guess of the state before it.
 How a row drafts (verify.py has the rules):
 - sampled over the whole vocabulary without a seed: a draw from the draft's distribution q at
   the row's temperature, verified by the min(1, p/q) rule;
-- the same with a seed: the inverse CDF of q (vocabulary order) at the very uniform the target
-  draws that position with (seeded_uniform(seed, step)), verified by the point-mass rule: where
-  q is close to p the two inverse CDFs mostly land on the same token, and the row still emits
-  exactly the tokens its seed gives without speculation (invariant 6);
+- the same with a seed: the token the target is likeliest to draw at the very uniform u it
+  draws that position with (seeded_uniform(seed, step)), verified by the point-mass rule, so
+  the row still emits exactly the tokens its seed gives without speculation (invariant 6). The
+  target's token is the inverse CDF of p at u in vocabulary order; a learned q's CDF drifts
+  from p's along the vocabulary (every token's error shifts all later intervals), so the draft
+  takes the token whose q-interval covers most of u +- COUPLING_WINDOW rather than q's own
+  inverse CDF at u (measured in docs/performance.md#learned-drafts);
 - greedy or truncated (top-k / top-p / min-p): the draft's argmax, point-mass rule.
 
 The draft's tensors are `draft.*` weights of the policy: an update that writes them makes the
@@ -65,6 +68,7 @@ class DraftState:
 
 
 GREEDY, SAMPLED, COUPLED = 0, 1, 2  # how a row drafts (the module docstring)
+COUPLING_WINDOW = 0.3  # of the CDF; near 0 the pick is q's inverse CDF at u, 1 q's argmax
 
 
 def draft_mode(req: Req, vocab: int) -> int:
@@ -72,6 +76,14 @@ def draft_mode(req: Req, vocab: int) -> int:
     whole = (not p.is_greedy and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0
              and p.min_p <= 0.0)
     return GREEDY if not whole else SAMPLED if p.seed is None else COUPLED
+
+
+def coupled_pick(q: torch.Tensor, u: float, window: float = COUPLING_WINDOW) -> torch.Tensor:
+    """The index whose interval of q's CDF (vocabulary order) covers most of [u - window,
+    u + window]: a seeded row's draft (the module docstring)."""
+    q = q.double() / q.double().sum()
+    upper = q.cumsum(0)
+    return (upper.clamp(max=u + window) - (upper - q).clamp(min=u - window)).argmax()
 
 
 class LearnedDraft:
@@ -197,9 +209,7 @@ class LearnedDraft:
             else:  # the target's own uniform for this position: see the module docstring
                 req = reqs[n]
                 u = seeded_uniform(req.params.seed, len(req.output_ids) + j)
-                cdf = q[k].double().cumsum(0)
-                index[n] = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(
-                    max=len(cdf) - 1)
+                index[n] = coupled_pick(q[k], u)
         return index
 
     # freshness and acceptance
