@@ -226,13 +226,11 @@ class DraftNet(nn.Module):
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, head_weight: torch.Tensor,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *,
-                embed_weight: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None) -> DraftOutput:
+                embed_weight: torch.Tensor | None = None) -> DraftOutput:
         """Teacher-forced: position s consumes (F_{s-1}, x_s). `embed_weight` defaults to
-        `head_weight` (tied embeddings); `segments` as `sequence_layout`'s."""
+        `head_weight` (tied embeddings)."""
         return self.forward_levels(input_ids, features, head_weight, 1, position_ids,
-                                   attention_mask, embed_weight=embed_weight,
-                                   segments=segments)[0]
+                                   attention_mask, embed_weight=embed_weight)[0]
 
     def forward_levels(self, input_ids: torch.Tensor, features: torch.Tensor,
                        head_weight: torch.Tensor, levels: int,
@@ -241,9 +239,10 @@ class DraftNet(nn.Module):
                        embed_weight: torch.Tensor | None = None,
                        with_logits: bool = True,
                        segments: torch.Tensor | None = None) -> list[DraftOutput]:
-        """Levels 1..`levels`: level j at position t is step j of the chain that started at
-        t - j + 1 (its input feature is level j-1's G at t - 1; level 0 is F). A level-j output
-        at t is meaningful only where the position is >= j - 1 (`chain_valid`). Without
+        """Levels 1..`levels`: level j at token t is step j of the chain that started j - 1
+        tokens before it in its sequence (its input feature is level j-1's G at the token before
+        t; level 0 is F). A level-j output at t is meaningful only where the position is >= j - 1
+        (`chain_valid`). `segments`: rows that are GRPO units (`sequence_layout`). Without
         `with_logits` the logits are left empty (the caller takes `head_logits` where needed)."""
         layout = sequence_layout(input_ids, position_ids, attention_mask, segments)
         embed = head_weight if embed_weight is None else embed_weight
