@@ -50,11 +50,13 @@ def perturbed(model_path: str, seed: int, scale: float = 0.1, dtype: str = "floa
 
 def save_checkpoint(tensors: Tensors, src_dir: str, out_dir: str, drop: tuple[str, ...] = ()
                     ) -> str:
-    """An fp32 HF folder holding `tensors` (less `drop`), with src_dir's config and tokenizer."""
+    """An fp32 HF folder holding `tensors` (less `drop`), with src_dir's config and tokenizer
+    (its files; not a folder beside them, such as a warm-start draft)."""
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(src_dir):
-        if not name.startswith("model.safetensors"):
-            shutil.copy(os.path.join(src_dir, name), os.path.join(out_dir, name))
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path) and not name.startswith("model.safetensors"):
+            shutil.copy(path, os.path.join(out_dir, name))
     kept = {n: t.float().contiguous() for n, t in tensors.items() if n not in drop}
     save_file(kept, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
