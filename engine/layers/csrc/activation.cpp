@@ -12,12 +12,33 @@
 
 namespace hotswap {
 
+// The vector loops compute as the scalar one, bit for bit (fast_exp's steps, a division), where
+// the compiler vectorised the scalar loop poorly: 64 rows of SmolLM2's MLP on the Xeon, 2
+// threads, bf16 43-49 -> 36-37 us (AVX2 switch: 49-58 -> 41-45), AVX2 float32 40-42 -> 31-32.
 template <typename T>
 void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 a = load16(g + j);
+    const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(
+                                                               _mm512_setzero_ps(), a))));
+    store16(o + j, _mm512_mul_ps(silu, load16(u + j)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 a = load8(g + j);
+    const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(one, fast_exp8(_mm256_sub_ps(
+                                                               _mm256_setzero_ps(), a))));
+    store8(o + j, _mm256_mul_ps(silu, load8(u + j)));
+  }
+#endif
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float a = widen(g[j]);
-    o[j] = narrow<T>(a / (1.f + fast_exp(-a)) * widen(u[j]));
+  for (int64_t i = j; i < n; ++i) {
+    const float a = widen(g[i]);
+    o[i] = narrow<T>(a / (1.f + fast_exp(-a)) * widen(u[i]));
   }
 }
 template void silu_and_mul_row<float>(const float*, const float*, float*, int64_t);

@@ -167,6 +167,18 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_silu_and_mul_vector_loop_equals_its_scalar_tail(dtype):
+    # A row of 112 runs in vector lanes; rows of 7 (fewer than a vector's 8 or 16 lanes) run
+    # the same values through the scalar loop: the bits must not depend on which.
+    g = (torch.randn(112, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)
+    u = torch.randn(112, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = cpu_kernels.silu_and_mul(torch.cat((g, u))[None])[0]
+    tails = torch.cat([cpu_kernels.silu_and_mul(torch.cat((g[i:i + 7], u[i:i + 7]))[None])[0]
+                       for i in range(0, 112, 7)])
+    assert torch.equal(whole, tails)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_rms_norm_matches_reference(dtype):
     """Rows of 2-D input and of the strided per-head slices Qwen3's q/k norms take."""
     g = torch.Generator().manual_seed(9)
