@@ -25,8 +25,9 @@ plain step, drafting seconds per drafted token, and tokens emitted per step.
 hotswap.engine.speculative.train_draft MODEL) beside no speculation, on (1), (tail) and (64);
 goals: >= 1.5x at batch 1, >= 1.3x on the tail, >= 0.97x at batch 64, >= 2.0 tokens per verify
 step (kept drafts + the target's own token). Requests are seeded as above (a seeded row drafts
-the inverse CDF of q at the target's own uniform); --unseeded drops the seeds (rows then draw
-from q and are verified by min(1, p/q)). --drift N then runs the GRPO main job for N steps
+the token whose interval of q's CDF covers most of the target's own uniform +- 0.3);
+--unseeded drops the seeds (rows then draw from q at the request's temperature times the draft's
+proposal_scale and are verified by min(1, p/q)). --drift N then runs the GRPO main job for N steps
 twice, the draft trained beside the policy and the draft frozen (--freeze-draft), and prints
 each step's drafted tokens kept per drafted token in both.
 """

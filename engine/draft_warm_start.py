@@ -9,7 +9,8 @@ the task's and the rest written by the policy itself (speculative/draft_data.py)
 features F (after the final norm) and the full-vocab logsumexp of its logits with HF
 transformers; 3. pick the draft vocabulary: the tokens it emits most, plus EOS; 4. train (10% of
 sequences held out) for --minutes, printing loss, one-step acceptance and the k=4 chained
-accepted length per epoch; 5. save beside the model (MODEL_PATH/draft). It lives here, not in
+accepted length per epoch; 5. pick the draft's proposal temperature on the held-out sequences
+(train_draft.calibrate_proposal); 6. save beside the model (MODEL_PATH/draft). It lives here, not in
 speculative/, because it runs the Engine, which sits above speculative/ in the import order.
 """
 
@@ -30,6 +31,7 @@ from hotswap.engine.speculative.draft_data import Sample
 from hotswap.engine.speculative.train_draft import (
     DraftTrainer,
     EvalResult,
+    calibrate_proposal,
     evaluate,
     policy_weights_sha,
     save_draft,
@@ -166,15 +168,21 @@ def warm_start(argv: list[str] | None = None) -> str:
     trainer = DraftTrainer(model, data.token_map, lr=args.lr, temperature=args.temperature,
                            levels=args.levels, reg_weight=args.reg_weight)
     result = train(trainer, data.train, data.held_out, args.minutes, args.seed)
+    scale, result = calibrate_proposal(trainer.net, draft_data.batches(data.held_out,
+                                                                        response_only=True),
+                                       trainer.head_weight, trainer.embed_weight,
+                                       args.temperature, k=EVAL_CHAIN)
+    print(f"proposal scale {scale}: held-out accept {result.acceptance:.3f}  k={EVAL_CHAIN} "
+          f"accepted {result.chained_length:.3f}", flush=True)
     save_draft(out, trainer.named_tensors(), data.token_map, model.config.to_dict(),
                trained_tokens=trainer.trained_tokens, policy_path=os.path.abspath(args.model_path),
-               weights_sha=policy_weights_sha(model),
+               weights_sha=policy_weights_sha(model), proposal_scale=scale,
                eval={"acceptance": round(result.acceptance, 4),
                      f"chained_k{EVAL_CHAIN}_accepted": round(result.chained_length, 4),
                      "temperature": args.temperature})
     print(f"saved the draft to {out} ({time.monotonic() - begin:.0f}s in all)")
     print(json.dumps({"out": out, "acceptance": result.acceptance,
-                      "chained_k4": result.chained_length}))
+                      "chained_k4": result.chained_length, "proposal_scale": scale}))
     return out
 
 

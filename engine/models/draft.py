@@ -17,8 +17,10 @@ thousand ids the policy emits most) is fixed when the draft is made.
 Its checkpoint is a folder: DIR/model.safetensors holds the tensors of `draft_shapes` (HF-style
 names, the policy's dtype or float32); DIR/config.json says {"format": "hotswap-draft",
 "format_version": 1, the sizes, the policy's vocab_size, "token_map" (the draft's sorted
-vocabulary), "trained_tokens", "policy": {"path", "weights_sha"}}. `load_draft_config` checks a
-folder before anything reads it.
+vocabulary), "trained_tokens", "policy": {"path", "weights_sha"}, and optionally
+"proposal_scale": the draft samples its proposals at the request's temperature times this
+(default 1.0; the warm start measures it)}. `load_draft_config` checks a folder before anything
+reads it.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def load_draft_config(directory: str, policy_config: Any = None) -> dict[str, An
     token_map = config.get("token_map")
     if not isinstance(token_map, list) or not token_map or token_map != sorted(set(token_map)):
         raise ValueError(f"{path}: 'token_map' must be a non-empty sorted list of distinct ids")
+    scale = config.get("proposal_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 4:
+        raise ValueError(f"{path}: 'proposal_scale' must be a number in (0, 4], got {scale!r}")
     if policy_config is not None:
         check_fits_policy(config, as_model_config(policy_config), path, weights)
     return config
@@ -175,6 +180,7 @@ class DraftModel(nn.Module):
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.register_buffer("token_map", torch.zeros(0, dtype=torch.int64), persistent=False)
         self.head: torch.Tensor | None = None  # float32 W[token_map], rebuilt with the weights
+        self.proposal_scale = 1.0  # sampled proposals at the request's temperature times this
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, fb: ForwardBatch
                 ) -> torch.Tensor:
@@ -216,6 +222,7 @@ def load_draft(draft: DraftModel, path: str) -> None:
     meta = load_draft_config(path, draft.cfg)
     draft.token_map = torch.tensor(meta["token_map"], dtype=torch.int64,
                                    device=draft.fc.weight.device)
+    draft.proposal_scale = float(meta.get("proposal_scale", 1.0))
     weight_map = draft.hf_weight_map()
     try:
         check_weights(weight_map, read_checkpoint_meta(path), set(weight_map))

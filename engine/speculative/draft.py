@@ -11,7 +11,9 @@ drafted position consumes the draft's own guess of the state before it.
 
 How a row drafts (verify.py has the rules):
 - sampled over the whole vocabulary without a seed: a draw from the draft's distribution q at
-  the row's temperature, verified by the min(1, p/q) rule;
+  the row's temperature times the draft's `proposal_scale` (its config's, measured by the warm
+  start: a sharper q than the draft's own overlaps p more), verified by the min(1, p/q) rule
+  with that q;
 - the same with a seed: the token the target is likeliest to draw at the very uniform u it
   draws that position with (seeded_uniform(seed, step)), verified by the point-mass rule, so
   the row still emits exactly the tokens its seed gives without speculation (invariant 6). The
@@ -187,8 +189,7 @@ class LearnedDraft:
         fb.rope = self.rotary.lookup(fb.positions, embeds.dtype)
         return self.model(embeds, features, fb)
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, reqs: list[Req], modes: list[int], j: int,
+    def _draw(self, logits: torch.Tensor, reqs: list[Req], modes: list[int], j: int,
               qs: list[list[torch.Tensor]], rows: list[int],
               generator: torch.Generator | None) -> torch.Tensor:
         """Each row's drafted index into the token map at draft position j (the module
@@ -198,8 +199,9 @@ class LearnedDraft:
         if not picked:
             return index
         at = torch.tensor(picked, device=logits.device)
-        temps = torch.tensor([reqs[n].params.temperature for n in picked],
-                             dtype=torch.float32, device=logits.device)
+        scale = self.model.proposal_scale
+        temps = torch.tensor([reqs[n].params.temperature * (scale if modes[n] == SAMPLED else 1)
+                              for n in picked], dtype=torch.float32, device=logits.device)
         q = torch.softmax(logits[at] / temps[:, None], dim=-1)
         drawn = draw(q, generator)
         for k, n in enumerate(picked):
@@ -252,4 +254,5 @@ class LearnedDraft:
         return {"draft_version": self.version, "stale": self.version != self.serving,
                 "active": self.active, "off_reason": self.off_reason,
                 "acceptance": self.kept / self.drafted if self.drafted else None,
-                "vocab": int(self.model.token_map.numel())}
+                "vocab": int(self.model.token_map.numel()),
+                "proposal_scale": self.model.proposal_scale}

@@ -40,10 +40,11 @@ def draft_net(path: str, token_map: list[int], seed: int = 0) -> DraftNet:
     return net
 
 
-def write_draft(path: str, token_map: list[int], seed: int = 0) -> DraftNet:
+def write_draft(path: str, token_map: list[int], seed: int = 0, out: str | None = None,
+                **meta) -> DraftNet:
     net = draft_net(path, token_map, seed)
-    save_draft(os.path.join(path, "draft"), net.named_tensors(), token_map,
-               ModelConfig.from_path(path))
+    save_draft(out or os.path.join(path, "draft"), net.named_tensors(), token_map,
+               ModelConfig.from_path(path), **meta)
     return net
 
 
@@ -107,15 +108,19 @@ def test_a_coupled_draft_covers_most_of_the_window_around_the_targets_uniform():
         logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)) * 3
         params = SamplingParams(temperature=0.8, seed=seed)
         req = SimpleNamespace(params=params, output_ids=[5, 6, 7])
-        drafted = draft_module.LearnedDraft._draw(logits, [req], [draft_module.COUPLED], 2,
-                                                  [[]], [0], None)
+        # A seeded row's q is the draft's own: the proposal scale is for sampled rows only.
+        draft = SimpleNamespace(model=SimpleNamespace(proposal_scale=0.5))
+        drafted = draft_module.LearnedDraft._draw(draft, logits, [req], [draft_module.COUPLED],
+                                                  2, [[]], [0], None)
         want = draft_module.coupled_pick((logits[0] / 0.8).softmax(-1), seeded_uniform(seed, 5))
         assert int(drafted) == int(want)
 
 
-def test_drafts_are_the_reference_drafts(model_path, monkeypatch):
+@pytest.mark.parametrize("scale", [1.0, 0.6])
+def test_drafts_are_the_reference_drafts(model_path, tmp_path, monkeypatch, scale):
     """Each step's q (sampled rows) equals DraftNet's chain over HF's states: the teacher-forced
-    level at the request's last token, then level j + 1 over the drafted tokens."""
+    level at the request's last token, then level j + 1 over the drafted tokens, at the
+    request's temperature times the config's proposal_scale."""
     seen = []
     propose = draft_module.LearnedDraft.propose
 
@@ -126,7 +131,10 @@ def test_drafts_are_the_reference_drafts(model_path, monkeypatch):
         return drafts, sampled
 
     monkeypatch.setattr(draft_module.LearnedDraft, "propose", spy)
-    with draft_engine(model_path) as engine:
+    folder = str(tmp_path / "draft")
+    write_draft(model_path, list(range(0, 400, 2)), out=folder, proposal_scale=scale)
+    with draft_engine(model_path, speculative_draft_path=folder) as engine:
+        assert engine.get_load()["speculative"]["proposal_scale"] == scale
         pin_length(engine, 3)
         engine.generate(input_ids=PROMPTS[:2], sampling_params={
             "max_new_tokens": 12, "temperature": 0.8, "ignore_eos": True})
@@ -143,7 +151,7 @@ def test_drafts_are_the_reference_drafts(model_path, monkeypatch):
                                         embed_weight=hf.get_input_embeddings().weight)
         n = len(fill)
         for j in range(3):
-            want = torch.softmax(levels[j].logits[0, n - 1 + j] / 0.8, -1)
+            want = torch.softmax(levels[j].logits[0, n - 1 + j] / (0.8 * scale), -1)
             assert torch.allclose(sampled.q[j], want, atol=1e-4), (j, fill[-3:])
             checked += 1
     assert checked == 24
@@ -177,10 +185,12 @@ def keep_every_draft(x, checks, generator):
     return checks.tokens
 
 
-@pytest.mark.parametrize("rule", [None, keep_every_draft])
-def test_sampled_drafts_emit_the_targets_distribution(small_vocab_path, monkeypatch, rule):
-    """The min(1, p/q) rule keeps the third token within p = 1e-3 of plain sampling; keeping
-    every draft (q's law) moves it far past."""
+@pytest.mark.parametrize(("rule", "scale"), [(None, 1.0), (keep_every_draft, 1.0), (None, 0.5)])
+def test_sampled_drafts_emit_the_targets_distribution(small_vocab_path, monkeypatch, rule,
+                                                      scale):
+    """The min(1, p/q) rule keeps the third token within p = 1e-3 of plain sampling, with the
+    draft's own q or a sharper one (proposal_scale 0.5); keeping every draft (q's law) moves it
+    far past."""
     from collections import Counter
 
     with make_engine(small_vocab_path, max_running_requests=256, seed=1) as engine:
@@ -188,6 +198,7 @@ def test_sampled_drafts_emit_the_targets_distribution(small_vocab_path, monkeypa
     if rule is not None:
         monkeypatch.setattr("hotswap.engine.executor.sampling.check_sampled", rule)
     with draft_engine(small_vocab_path, max_running_requests=256, seed=2) as engine:
+        engine.runner.model.draft.proposal_scale = scale
         pin_length(engine, 2)
         got = Counter(third_tokens(engine))
         totals = engine.get_load()["totals"]
@@ -315,6 +326,11 @@ def test_bad_drafts_refused(model_path, tmp_path):
         draft_engine(path, speculative_draft_path=os.path.join(other, "draft"))
     with pytest.raises(ValueError, match="speculative_draft_path needs"):
         make_engine(path, speculative_draft_path=os.path.join(other, "draft"))
+    sharp = str(tmp_path / "sharp")
+    for bad in (0, -1, "0.5", True):
+        write_draft(path, [1, 2], out=sharp, proposal_scale=bad)
+        with pytest.raises(ValueError, match="proposal_scale"):
+            draft_engine(path, speculative_draft_path=sharp)
 
 
 def test_memory_release_takes_the_drafts_kv_and_states(model_path):

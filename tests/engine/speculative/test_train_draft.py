@@ -15,8 +15,10 @@ from fixtures import write_tiny_chat_model
 from hotswap.engine.models.draft import draft_shapes, load_draft_config, save_draft
 from hotswap.engine.speculative import draft_data
 from hotswap.engine.speculative.train_draft import (
+    PROPOSAL_SCALES,
     DraftNet,
     DraftTrainer,
+    calibrate_proposal,
     evaluate,
     load_draft,
     policy_weights_sha,
@@ -242,6 +244,25 @@ def test_evaluate_trained_draft_beats_untrained(policy):
     assert after.chained_length > before.chained_length + 0.05
 
 
+@pytest.mark.parametrize("sharpness", [0.6, 0.8])
+def test_calibration_finds_the_proposal_temperature_that_matches_the_policy(policy, sharpness):
+    """A policy whose next-token distribution is the draft's own at temperature `sharpness`:
+    one-step acceptance is sum min(p, q) = 1 at that proposal scale, and below 1 elsewhere."""
+    net = DraftNet(policy.config, all_tokens(policy))
+    batch = policy_batch(policy, rows=3, length=12, seed=4)
+    head, embed = policy.get_output_embeddings().weight, policy.get_input_embeddings().weight
+    with torch.no_grad():
+        (level,) = net.forward_levels(batch["input_ids"], batch["features"], head, 1,
+                                      embed_weight=embed)
+    batch["policy_logits"] = level.logits / sharpness  # the map is the whole vocabulary
+    scale, result = calibrate_proposal(net, [batch], head, embed, k=1)
+    assert scale == sharpness
+    assert result.acceptance > 0.999
+    for other in PROPOSAL_SCALES:
+        if other != sharpness:
+            assert evaluate(net, [batch], head, embed, k=1, proposal_scale=other).acceptance < 0.99
+
+
 def test_token_map_keeps_eos_and_the_most_emitted_tokens():
     rollouts = [([5, 6], [9, 9, 9, 8, 2]), ([5], [9, 8, 7])]
     assert draft_data.choose_token_map(rollouts, 100, 3, eos=[2]) == [2, 8, 9]
@@ -290,5 +311,6 @@ def test_warm_start_cli_end_to_end(policy, tmp_path):
     assert 0 < summary["acceptance"] <= 1 and 0 < summary["chained_k4"] <= 4
     config = load_draft_config(str(out), policy.config.to_dict())
     assert 2 in config["token_map"] and config["trained_tokens"] > 0
+    assert config["proposal_scale"] == summary["proposal_scale"] in PROPOSAL_SCALES
     on_disk = transformers.AutoModelForCausalLM.from_pretrained(policy.name_or_path)
     assert config["policy"]["weights_sha"] == policy_weights_sha(on_disk)
