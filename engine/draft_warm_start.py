@@ -10,8 +10,9 @@ features F (after the final norm) and the full-vocab logsumexp of its logits wit
 transformers; 3. pick the draft vocabulary: the tokens it emits most, plus EOS; 4. train (10% of
 sequences held out) for --minutes, printing loss, one-step acceptance and the k=4 chained
 accepted length per epoch; 5. pick the draft's proposal temperature on the held-out sequences
-(train_draft.calibrate_proposal); 6. save beside the model (MODEL_PATH/draft). It lives here, not in
-speculative/, because it runs the Engine, which sits above speculative/ in the import order.
+(train_draft.calibrate_proposal); 6. save beside the model (MODEL_PATH/draft). It lives here,
+not in speculative/, because it runs the Engine, which sits above speculative/ in the import
+order.
 """
 
 from __future__ import annotations
@@ -92,19 +93,18 @@ def report(epoch: int, loss: float, result: EvalResult, elapsed: float) -> None:
           f"{elapsed:6.1f}s", flush=True)
 
 
-def train(trainer: DraftTrainer, train_set: list[Sample], eval_set: list[Sample],
-          minutes: float, seed: int) -> EvalResult:
-    """Epochs over `train_set` until `minutes` have passed; returns the last held-out result."""
+def train(trainer: DraftTrainer, train_set: list[Sample],
+          held_out: list[dict[str, torch.Tensor]], minutes: float, seed: int) -> None:
+    """Epochs over `train_set` until `minutes` have passed, reporting the result on the
+    `held_out` batches after each."""
     rng = random.Random(seed)
-    held_out = draft_data.batches(eval_set, response_only=True)
     start, epoch = time.monotonic(), 0
 
     def held_out_result() -> EvalResult:
         return evaluate(trainer.net, held_out, trainer.head_weight, trainer.embed_weight,
                         trainer.loss_cfg.temperature, k=EVAL_CHAIN)
 
-    result = held_out_result()
-    report(0, float("nan"), result, 0.0)
+    report(0, float("nan"), held_out_result(), 0.0)
     while time.monotonic() - start < minutes * 60:
         epoch += 1
         losses = []
@@ -114,9 +114,8 @@ def train(trainer: DraftTrainer, train_set: list[Sample], eval_set: list[Sample]
                                        lse=batch["lse"])["loss"])
             if time.monotonic() - start >= minutes * 60:
                 break
-        result = held_out_result()
-        report(epoch, sum(losses) / max(len(losses), 1), result, time.monotonic() - start)
-    return result
+        report(epoch, sum(losses) / max(len(losses), 1), held_out_result(),
+               time.monotonic() - start)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -167,11 +166,10 @@ def warm_start(argv: list[str] | None = None) -> str:
           f"{data.coverage:.1%} of sampled tokens ({time.monotonic() - begin:.0f}s)", flush=True)
     trainer = DraftTrainer(model, data.token_map, lr=args.lr, temperature=args.temperature,
                            levels=args.levels, reg_weight=args.reg_weight)
-    result = train(trainer, data.train, data.held_out, args.minutes, args.seed)
-    scale, result = calibrate_proposal(trainer.net, draft_data.batches(data.held_out,
-                                                                        response_only=True),
-                                       trainer.head_weight, trainer.embed_weight,
-                                       args.temperature, k=EVAL_CHAIN)
+    held_out = draft_data.batches(data.held_out, response_only=True)
+    train(trainer, data.train, held_out, args.minutes, args.seed)
+    scale, result = calibrate_proposal(trainer.net, held_out, trainer.head_weight,
+                                       trainer.embed_weight, args.temperature, k=EVAL_CHAIN)
     print(f"proposal scale {scale}: held-out accept {result.acceptance:.3f}  k={EVAL_CHAIN} "
           f"accepted {result.chained_length:.3f}", flush=True)
     save_draft(out, trainer.named_tensors(), data.token_map, model.config.to_dict(),
