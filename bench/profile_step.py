@@ -24,7 +24,7 @@ from hotswap.engine.models.fetch import ensure_model
 
 MATMUL = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
           "aten::matmul", "hotswap::small_linear", "hotswap::int8_linear", "aten::_int_mm",
-          "hotswap::blocked_linear"}
+          "hotswap::blocked_linear", "hotswap::amx_linear"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::scaled_dot_product_attention", "hotswap::decode_attention"}

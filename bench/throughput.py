@@ -12,8 +12,9 @@ tokens computed per second (HF not run). Sampling at temperature 1.0, eos ignore
 every request makes its full length. Every engine (one per dtype) and HF (fp32) run in their own
 process, and each repeat runs them one after the other, so a slow period of this shared machine
 hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the decode
-matmul shapes (per shape the faster of the engine's two kernels, oneDNN on packed weights and the
-blocked kernel) and the share of that roofline each engine reaches, GB/s of weights read at batch 1
+matmul shapes (per shape the fastest of the engine's kernels: oneDNN on packed weights, the
+blocked kernel, AMX tiles where a bf16 weight has an AMX copy) and the share of that roofline
+each engine reaches, GB/s of weights read at batch 1
 and of weights and KV read at (t), each as a share of the machine's read bandwidth (the faster of a
 float32 sum and a 1-row blocked matmul over 0.5 GiB), and the bf16 engine's logprob error against
 HF fp32 and bf16.
@@ -188,11 +189,12 @@ def _median_s(repeats: int, fn, *args, **kwargs) -> float:
 
 def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, repeats: int = 20,
                     int8: bool = False) -> dict[str, dict[str, float]]:
-    """dtype -> shape -> seconds of one [rows, in] x [in, out] matmul (median) by the faster of
-    the engine's two kernels for it: oneDNN on a packed weight, and cpu_kernels.blocked_linear
-    where the weight blocks (layers/linear.py); "kernel" -> shape -> which was faster. With
-    int8, also "int8": the int8 linear of a bf16 x as the int8 engine runs it."""
-    from hotswap.engine.layers.linear import blocks_by_default, linear, pack
+    """dtype -> shape -> seconds of one [rows, in] x [in, out] matmul (median) by the fastest of
+    the engine's kernels for it: oneDNN on a packed weight, cpu_kernels.blocked_linear where the
+    weight blocks and cpu_kernels.amx_linear where it has an AMX copy (layers/linear.py);
+    "kernel" -> shape -> which was fastest. With int8, also "int8": the int8 linear of a bf16 x
+    as the int8 engine runs it."""
+    from hotswap.engine.layers.linear import amx_packs, blocks_by_default, linear, pack
     from hotswap.engine.layers.quant import int8_linear, quantize_weight
 
     out: dict[str, dict] = {"kernel": {}}
@@ -206,6 +208,10 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
                                     cpu_kernels.block_pack(w))
                 if blocked < times[name]:
                     times[name], kernels[name] = blocked, "b"
+            if name != "lm_head" and amx_packs(w):
+                amx = _median_s(repeats, cpu_kernels.amx_linear, x, cpu_kernels.amx_pack(w))
+                if amx < times[name]:
+                    times[name], kernels[name] = amx, "a"
         dt = str(dtype).removeprefix("torch.")
         out[dt], out["kernel"][dt] = times, kernels
     if int8:
@@ -302,9 +308,9 @@ def long_tail_read_gbs(tok_s: float, prompts: list[list[int]], new: int, weights
 
 def print_matmul_rates(shapes: dict, times: dict[str, dict], bandwidth: tuple[float, float]
                        ) -> None:
-    print("machine: decode matmuls, 64 rows, the faster of oneDNN on the packed weight (o) and "
-          "the blocked kernel (b) (int8: the int8 linear, quantization of x included), GFLOP/s "
-          "(int8: GOP/s):")
+    print("machine: decode matmuls, 64 rows, the fastest of oneDNN on the packed weight (o), "
+          "the blocked kernel (b) and AMX tiles (a) (int8: the int8 linear, quantization of x "
+          "included), GFLOP/s (int8: GOP/s):")
     for dtype, per in times.items():
         if dtype == "kernel":
             continue

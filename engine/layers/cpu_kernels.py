@@ -406,6 +406,24 @@ def head_amx() -> bool:
     return available() and "amx_bf16" in read_cpu_flags() and torch.ops.hotswap.head_amx()
 
 
+def amx() -> bool:
+    """Whether bf16 matmuls can run on AMX tiles (amx_pack / amx_linear): AMX on the CPU (and
+    not switched off by HOTSWAP_CPU_ISA), and a compiler that built them."""
+    return head_amx() and torch.ops.hotswap.amx_built()
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [n, k] (n a multiple of 32) in the tiles' layout amx_linear reads."""
+    return torch.ops.hotswap.amx_pack(weight)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """bf16 x [m, k] @ W.T (+ bias) for packed = amx_pack(W): float32 sums over k, rounded once
+    to bf16 (csrc/amx_linear.cpp)."""
+    return torch.ops.hotswap.amx_linear(x, packed, bias)
+
+
 def head_pack(weight: torch.Tensor) -> torch.Tensor:
     """The bf16 lm_head weight [vocab, k] (k even) in the VNNI blocks head_logits reads."""
     return torch.ops.hotswap.head_pack(weight)

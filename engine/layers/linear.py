@@ -3,22 +3,24 @@ cpu_kernels.blocked_linear from a copy in its blocked layout: every output one f
 k in order, whatever the rows, so a row's bits never depend on its batch-mates. It beat oneDNN's
 packed matmul at every row count of SmolLM2's decode shapes, 1 to 64 rows, float32 and bf16,
 with AVX-512 and under the AVX2 switch, and streams the weights faster at a few rows than the
-matrix-vector kernel did (docs/performance.md#the-blocked-matmul-by-default). With AMX, bf16
-keeps oneDNN (AMX tiles) and, up to SMALL_ROWS rows, cpu_kernels.small_linear, a
-matrix-vector kernel over the plain bf16 weights; elsewhere (no kernels, float16, a weight that
-does not fit the blocked layout) oneDNN's matmul, faster at the decode shapes than the default
-BLAS path with the same float32 accuracy, else F.linear.
+matrix-vector kernel did (docs/performance.md#the-blocked-matmul-by-default). With AMX, a bf16
+weight takes, up to SMALL_ROWS rows, cpu_kernels.small_linear, a matrix-vector kernel over the
+plain weight; up to AMX_ROWS, cpu_kernels.amx_linear, AMX tiles over a copy in their layout,
+which streams the weight from memory faster than oneDNN's matmul; above (a long prefill),
+oneDNN's matmul over the plain weight. Elsewhere (no kernels, float16, a weight that does not
+fit the blocked layout) oneDNN's matmul, faster at the decode shapes than the default BLAS path
+with the same float32 accuracy, else F.linear.
 
-A pack (the blocked copy or oneDNN's reordered one) is a cache of its weight: the ModelRunner
-rebuilds packs whenever the weights change and never uses a stale one. With deterministic=True
-(batch-invariant, docs/rl.md#deterministic-rollouts-and-exact-logprobs) every Linear holds the
-blocked copy, whatever its dtype and the CPU.
+A pack (the blocked copy, the AMX copy or oneDNN's reordered one) is a cache of its weight: the
+ModelRunner rebuilds packs whenever the weights change and never uses a stale one. With
+deterministic=True (batch-invariant, docs/rl.md#deterministic-rollouts-and-exact-logprobs) every
+Linear holds the blocked copy, whatever its dtype and the CPU.
 
 With quantization="int8" a Linear also holds an int8 copy of its weight (quant.py), rebuilt by
 the ModelRunner like the packs; every step then takes quant.int8_linear, whatever its rows.
 
 On the blocked, small and int8 paths the bias and the residual are added to the float32 sums
-before the one rounding.
+before the one rounding; on AMX the bias is, the residual after.
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 # How linear() multiplies (cpu_kernels.decode_layers takes the same codes).
-ATEN, ONEDNN, SMALL, INT8, BLOCKED = 0, 1, 2, 3, 4
+ATEN, ONEDNN, SMALL, INT8, BLOCKED, AMX = 0, 1, 2, 3, 4, 5
 # bf16 rows that take cpu_kernels.small_linear: where it beat oneDNN (docs/performance.md). With
 # AVX512-BF16 the kernel multiplies bf16 pairs as they are and also wins at 5 and 6 rows.
 SMALL_ROWS = 6 if "avx512_bf16" in read_cpu_flags() else 4
-# With AMX, bf16 weights keep oneDNN's matmul (its AMX tiles) instead of the blocked kernel.
+# With AMX, bf16 weights take AMX tiles instead of the blocked kernel.
 AMX_BF16 = "amx_bf16" in read_cpu_flags()
+# Rows up to which amx_linear multiplies an AMX copy; above, oneDNN the plain weight, as fast
+# or faster there (amx_linear passes over all the rows for every 32 outputs).
+AMX_ROWS = 512
 
 
 def can_block(weight: torch.Tensor, pad: bool = False) -> bool:
@@ -102,13 +107,32 @@ def blocks_by_default(weight: torch.Tensor, pad: bool = False) -> bool:
     return can_block(weight, pad) and not (weight.dtype == torch.bfloat16 and AMX_BF16)
 
 
+def amx_packs(weight: torch.Tensor) -> bool:
+    """Whether a Linear's packed copy of this weight is cpu_kernels.amx_pack's: a bf16 weight
+    [n, k], n a multiple of 32, on a CPU whose AMX the kernels use."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and AMX_BF16
+            and weight.shape[0] % 32 == 0 and cpu_kernels.applies(weight) and cpu_kernels.amx())
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy a Linear keeps of its weight: the AMX copy where amx_packs, else
+    oneDNN's (pack), or None."""
+    return cpu_kernels.amx_pack(weight.detach()) if amx_packs(weight) else pack(weight)
+
+
+def is_amx_pack(packed: torch.Tensor | None) -> bool:
+    """An AMX copy is a plain tensor; oneDNN's packs are oneDNN tensors."""
+    return packed is not None and packed.layout == torch.strided
+
+
 def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, quant: QuantWeight | None = None,
-                blocked: torch.Tensor | None = None) -> int:
+                blocked: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> int:
     """BLOCKED where the weight has a blocked copy (by default, or deterministic=True); INT8
     where it has an int8 copy; SMALL for a bf16 x of at most SMALL_ROWS rows, a plain bf16
-    weight (bias, residual bf16 too) on CPU with the kernels built, else ONEDNN where oneDNN
-    runs x's dtype, else ATEN."""
+    weight (bias, residual bf16 too) on CPU with the kernels built; AMX for a bf16 x of at most
+    AMX_ROWS rows where the weight has an AMX copy; else ONEDNN where oneDNN runs x's dtype
+    (over the weight's oneDNN copy, or the plain weight), else ATEN."""
     if blocked is not None:
         return BLOCKED
     if quant is not None:
@@ -118,6 +142,9 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             and all(t is None or t.dtype == x.dtype for t in (bias, residual))
             and cpu_kernels.applies(x)):
         return SMALL
+    if (is_amx_pack(packed) and x.dim() == 2 and len(x) <= AMX_ROWS
+            and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype)):
+        return AMX
     return ONEDNN if uses_onednn(x) and x.dim() == 2 else ATEN
 
 
@@ -126,8 +153,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            quant: QuantWeight | None = None, blocked: torch.Tensor | None = None
            ) -> torch.Tensor:
     """x @ weight.T + bias (+ residual); `packed` / `quant` / `blocked`, when given, must be
-    pack(weight) / quant.quantize_weight(weight) / cpu_kernels.block_pack(weight) of the current
-    weight. On BLOCKED, SMALL and INT8 the residual joins
+    pack_linear(weight) / quant.quantize_weight(weight) / cpu_kernels.block_pack(weight) of the
+    current weight. On BLOCKED, SMALL and INT8 the residual joins
     the kernel's float32 sums (one rounding in bf16); elsewhere it is added to the matmul's
     output (in bf16 rounded twice, as HF's bf16 does): oneDNN's add post-op costs more than
     the separate add, at any size (docs/performance.md)."""
@@ -135,15 +162,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # path, so a row's result does not depend on how many rows share its step. (SiLU/product
     # as oneDNN post-ops at 64 rows were faster, but give results that differ in the last bits
     # with the row count.)
-    path = matmul_path(x, weight, bias, residual, quant, blocked)
+    path = matmul_path(x, weight, bias, residual, quant, blocked, packed)
     if path == BLOCKED:
         return cpu_kernels.blocked_linear(x, blocked, bias, residual)
     if path == INT8:
         return int8_linear(x, quant, bias, residual)
     if path == SMALL:
         return cpu_kernels.small_linear(x, weight, bias, residual)
-    if path == ONEDNN:
-        w = weight if packed is None else packed
+    if path == AMX:
+        out = cpu_kernels.amx_linear(x, packed, bias)
+    elif path == ONEDNN:
+        w = weight if packed is None or is_amx_pack(packed) else packed
         out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
     else:
         out = F.linear(x, weight, bias)
@@ -151,7 +180,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    packed: torch.Tensor | None = None  # pack(self.weight), kept current by the ModelRunner
+    packed: torch.Tensor | None = None  # pack_linear(self.weight), kept current by the ModelRunner
     quant: QuantWeight | None = None  # its int8 copy (quantization="int8"), kept current too
     blocked: torch.Tensor | None = None  # its blocked copy (deterministic=True), kept current too
 
@@ -164,7 +193,9 @@ class Linear(nn.Linear):
             return self.quant.weight, self.quant.tensors()
         if path == BLOCKED:
             return self.blocked, []
-        return (self.weight if self.packed is None or path == SMALL else self.packed), []
+        own = self.packed is not None and path != SMALL and (path == AMX) == is_amx_pack(
+            self.packed)
+        return (self.packed if own else self.weight), []
 
 
 def quantized_linears(model: nn.Module) -> Iterable[nn.Module]:

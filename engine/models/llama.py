@@ -18,13 +18,18 @@ from hotswap.engine.cpu_features import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.linear import (
+    AMX,
+    AMX_ROWS,
+    ONEDNN,
     SMALL_ROWS,
     Linear,
     blocks_by_default,
     can_block,
+    is_amx_pack,
     linear,
     matmul_path,
     pack,
+    pack_linear,
     quantize_model,
 )
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
@@ -213,10 +218,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.make_mlp(cfg, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # _forward_fused's layers by (at most SMALL_ROWS rows, dtype, layer count), built on
-        # first use: they hold the weights and packed copies, so LlamaForCausalLM.pack_weights
-        # (called whenever the weights change) clears them.
-        self.fused_layers: dict[tuple[bool, torch.dtype, int], torch.ScriptObject] = {}
+        # _forward_fused's layers by (at most SMALL_ROWS rows, at most AMX_ROWS, dtype, layer
+        # count), built on first use: they hold the weights and packed copies, so
+        # LlamaForCausalLM.pack_weights (called whenever the weights change) clears them.
+        self.fused_layers: dict[tuple[bool, bool, torch.dtype, int], torch.ScriptObject] = {}
 
     def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
         """Layer layer_id's MLP (a subclass's hook: MoE models put experts here)."""
@@ -237,7 +242,7 @@ class LlamaModel(nn.Module):
                        count: int) -> torch.Tensor:
         """The first `count` layers' forward() for a decode-only CPU step in one kernel call:
         the same ops, without ~20 Python-dispatched ones per layer."""
-        key = (len(x) <= SMALL_ROWS, x.dtype, count)
+        key = (len(x) <= SMALL_ROWS, len(x) <= AMX_ROWS, x.dtype, count)
         layers = self.fused_layers.get(key)
         if layers is None:
             layers = self.fused_layers[key] = self._build_fused_layers(x, count)
@@ -250,7 +255,12 @@ class LlamaModel(nn.Module):
         the path it takes for such steps."""
         attn = self.layers[0].self_attn
         path = matmul_path(x, attn.qkv_proj.weight, attn.qkv_proj.bias, x,  # x: the residual
-                           attn.qkv_proj.quant, attn.qkv_proj.blocked)
+                           attn.qkv_proj.quant, attn.qkv_proj.blocked, attn.qkv_proj.packed)
+        if path == AMX and not all(  # one path for the stack: AMX only where every weight can
+                is_amx_pack(p.packed) for layer in self.layers[:count]
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            path = ONEDNN
 
         def layer_weights(layer: LlamaDecoderLayer) -> cpu_kernels.LayerWeights:
             attn, mlp = layer.self_attn, layer.mlp
@@ -379,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
                 plain = enable and module.quant is None
                 blocked = invariant or (plain and blocks_by_default(module.weight))
                 module.blocked = None  # the new copies are set below
-                module.packed = pack(module.weight) if plain and not blocked else None
+                module.packed = pack_linear(module.weight) if plain and not blocked else None
                 if blocked:
                     blocked_modules.append(module)
         # In the order a decode step reads them, in the huge pages of the last update's copies.

@@ -31,6 +31,9 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias=None, Tensor? residual=None, "
         "bool float_out=False, int outputs=-1) -> Tensor");
   m.def("head_amx() -> bool");
+  m.def("amx_built() -> bool");
+  m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
         "-> Tensor");
@@ -50,6 +53,8 @@ TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("blocked_linear", &hotswap::blocked_linear);
   m.impl("head_pack", &hotswap::head_pack);
   m.impl("head_logits", &hotswap::head_logits);
+  m.impl("amx_pack", &hotswap::amx_pack);
+  m.impl("amx_linear", &hotswap::amx_linear);
 }
 
 // The experts' packed weights are oneDNN tensors: their key picks the kernel as well.
@@ -59,4 +64,5 @@ TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) {
 
 TORCH_LIBRARY_IMPL(hotswap, CompositeExplicitAutograd, m) {
   m.impl("head_amx", &hotswap::head_amx);
+  m.impl("amx_built", &hotswap::amx_built);
 }

@@ -27,7 +27,8 @@ auto scoped(const char* name, F f) {
 // The blocked kernel (w in the blocked layout, any rows; the residual joins its float32 sums), the
 // small-batch kernel (w plain bf16, a few rows; the residual joins its float32 sums), the
 // int8 matmul (w int8 with the rest of its copy in `quant`; the residual joins its rescaling),
-// else oneDNN's matmul (w packed or plain) or at::linear, then the add.
+// else AMX's (w in amx_pack's layout), oneDNN's matmul (w packed or plain) or at::linear, then
+// the add.
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                        const at::Tensor* residual, int64_t path, at::TensorList quant) {
   if (path == PATH_INT8)
@@ -51,7 +52,9 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                           residual ? std::optional<at::Tensor>(*residual) : std::nullopt);
     });
   at::Tensor out;
-  if (path == PATH_ONEDNN) {
+  if (path == PATH_AMX) {
+    out = scoped("hotswap::amx_linear", [&] { return amx_linear(x, w, b); });
+  } else if (path == PATH_ONEDNN) {
     static auto plain = c10::Dispatcher::singleton()
         .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -114,8 +117,8 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
 
 DecodeLayers::DecodeLayers(double eps, int64_t path, int64_t num_heads)
     : eps(eps), path(path), num_heads(num_heads) {
-  TORCH_CHECK(path >= PATH_ATEN && path <= PATH_BLOCKED,
-              "path must be linear.py's ATEN, ONEDNN, SMALL, INT8 or BLOCKED, got ", path);
+  TORCH_CHECK(path >= PATH_ATEN && path <= PATH_AMX,
+              "path must be linear.py's ATEN, ONEDNN, SMALL, INT8, BLOCKED or AMX, got ", path);
   TORCH_CHECK(num_heads > 0, "num_heads must be positive");
 }
 

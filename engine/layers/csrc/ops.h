@@ -38,8 +38,15 @@ bool head_amx();
 at::Tensor head_pack(const at::Tensor& w);
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                        const at::Tensor& packed, int64_t vocab);
-// How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL, INT8 and BLOCKED.
-constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3, PATH_BLOCKED = 4;
+// bf16 matmuls on AMX tiles over a weight in amx_pack's layout (amx_linear.cpp); amx_built:
+// whether the compiler could build them.
+bool amx_built();
+at::Tensor amx_pack(const at::Tensor& w);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias);
+// How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL, INT8, BLOCKED and AMX.
+constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3, PATH_BLOCKED = 4,
+                  PATH_AMX = 5;
 // x [m, k] @ w.T (+ b) (+ residual) exactly as layers/linear.py's linear() computes it on
 // `path` (decode_layer.cpp).
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,

@@ -23,6 +23,37 @@ constexpr int64_t SAMPLE_BLOCK = 128;  // = sampling.BLOCK
 
 inline double below(double bound) { return std::nextafter(bound, 0.0); }
 
+// Lane-wise loops the compiler vectorises (a max reduction over std::max is not).
+constexpr int64_t LANES = 16;
+
+#if defined(__AVX512F__)
+// w[0:width] = exp(x - max), 0 below -87 (a masked -inf token gets exactly no mass), NaN for a
+// NaN; returns their sum. In 16 lanes: GCC vectorised the loop below at 8 (64 rows of 49k
+// logits, the Xeon, 2 threads: 1.0 -> 0.74 ms for sample_rows with row_max's 16 lanes too).
+inline float block_weights(const float* x, int64_t width, float max, float* w) {
+  const __m512 mx = _mm512_set1_ps(max), floor = _mm512_set1_ps(-87.f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 in = width - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (width - j)) - 1);
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + j), mx);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(in, d, floor, _CMP_NLT_UQ);
+    __m512 e = _mm512_maskz_mov_ps(live, fast_exp16(d));
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), d);  // NaN stays NaN
+    _mm512_mask_storeu_ps(w + j, in, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+inline float row_max(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + j), m);  // NaN: kept out
+  const __mmask16 tail = __mmask16((1u << (n - j)) - 1);
+  m = _mm512_mask_max_ps(m, tail, _mm512_maskz_loadu_ps(tail, x + j), m);
+  return _mm512_reduce_max_ps(m);
+}
+#else
 inline float block_weights(const float* x, int64_t width, float max, float* w) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -33,9 +64,6 @@ inline float block_weights(const float* x, int64_t width, float max, float* w) {
   }
   return sum;
 }
-
-// Lane-wise loops the compiler vectorises (a max reduction over std::max is not).
-constexpr int64_t LANES = 16;
 
 inline float row_max(const float* x, int64_t n) {
   float lanes[LANES];
@@ -48,6 +76,7 @@ inline float row_max(const float* x, int64_t n) {
   for (; j < n; ++j) max = x[j] > max ? x[j] : max;
   return max;
 }
+#endif
 
 inline int64_t first_index(const float* x, int64_t n, float v) {
   int64_t j = 0;

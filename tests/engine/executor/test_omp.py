@@ -30,7 +30,7 @@ def _parallel_op() -> None:
 
 
 _RELEASE_CHECK = """
-import json, os, threading, torch
+import json, os, threading, time, torch
 from hotswap.engine.executor import omp
 
 def threads():
@@ -47,6 +47,9 @@ def worker():
     parallel_op()  # this thread now masters a team: its worker threads exist
     seen["with_team"] = threads() - before
     assert omp.release_thread_team()
+    deadline = time.monotonic() + 2  # an ended worker can linger in /proc for a moment
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
     seen["released"] = threads() - before
     parallel_op()  # and the next parallel op simply starts a new team
     seen["again"] = threads() - before

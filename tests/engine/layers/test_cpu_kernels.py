@@ -245,6 +245,10 @@ def test_sample_rows_never_draws_a_masked_token_and_survives_empty_rows():
     tokens, lse = cpu_kernels.sample_rows(x, u)
     assert tokens[:3].tolist() == [7, 7, 2999]  # u near 1 lands on the 1e-13 token
     assert 0 <= int(tokens[3]) < 3000 and torch.isneginf(lse[3])  # no finite logit: no crash
+    bad = torch.randn(2, 1003)
+    bad[0, 500] = math.nan  # a NaN logit makes its row's log-sum-exp NaN, never a finite lie
+    tokens, lse = cpu_kernels.sample_rows(bad, u[:2])
+    assert torch.isnan(lse[0]) and torch.isfinite(lse[1]) and 0 <= int(tokens[0]) < 1003
     with pytest.raises(RuntimeError, match="one uniform per row"):
         cpu_kernels.sample_rows(x, u[:2])
 
@@ -279,6 +283,63 @@ def test_amx_head_refuses_a_pack_of_another_shape():
         cpu_kernels.head_logits(hidden, norm, 1e-5, packed, 200)
     with pytest.raises(RuntimeError, match="bfloat16, expected"):
         cpu_kernels.head_logits(hidden.float(), norm, 1e-5, packed, 100)
+
+
+amx_linear_only = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.amx()),
+                                     reason="no AMX here (or a compiler without its intrinsics)")
+
+
+@amx_linear_only
+@pytest.mark.parametrize("n,k", [(96, 576), (64, 40), (32, 1536)])
+def test_amx_linear_is_the_float32_sum_rounded_once(n, k):
+    """bf16 x @ W.T + bias on AMX tiles: float32 products and sums rounded once to bf16, for row
+    counts off the 32-row pass and k off the 32-wide tile (zero-padded); each row as it is alone
+    (a decode row's bits do not depend on its batch-mates)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_kernels.amx_pack(w)
+    for m in (1, 7, 32, 45, 100):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        got = cpu_kernels.amx_linear(x, packed, bias)
+        close(got, x.double() @ w.double().T + bias.double(), torch.bfloat16)
+        close(cpu_kernels.amx_linear(x, packed), x.double() @ w.double().T, torch.bfloat16)
+        for i in {0, m // 2, m - 1}:
+            assert torch.equal(got[i], cpu_kernels.amx_linear(x[i:i + 1], packed, bias)[0])
+    strided = torch.randn(9, 2 * k, generator=g).bfloat16()[:, :k]  # rows not dense
+    assert torch.equal(cpu_kernels.amx_linear(strided, packed),
+                       cpu_kernels.amx_linear(strided.contiguous(), packed))
+
+
+@amx_linear_only
+def test_amx_linear_refuses_what_it_cannot_multiply():
+    with pytest.raises(RuntimeError, match="n a multiple of 32"):
+        cpu_kernels.amx_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
+    packed = cpu_kernels.amx_pack(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="amx_pack of a"):
+        cpu_kernels.amx_linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed,
+                               torch.zeros(63, dtype=torch.bfloat16))
+
+
+@amx_linear_only
+def test_linear_takes_amx_up_to_amx_rows_then_onednn_over_the_plain_weight():
+    """A Linear's pack of a bf16 weight on AMX is the AMX copy: linear() multiplies it for
+    SMALL_ROWS < rows <= AMX_ROWS, small_linear below, oneDNN over the plain weight above, each
+    the float32 product rounded once; a weight whose rows are not a multiple of 32 keeps
+    oneDNN's pack."""
+    from hotswap.engine.layers import linear as lin
+
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    packed = lin.pack_linear(w)
+    assert lin.is_amx_pack(packed) and not lin.is_amx_pack(lin.pack_linear(w[:90]))
+    for rows, path in ((lin.SMALL_ROWS, lin.SMALL), (lin.SMALL_ROWS + 1, lin.AMX),
+                       (lin.AMX_ROWS, lin.AMX), (lin.AMX_ROWS + 1, lin.ONEDNN)):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        assert lin.matmul_path(x, w, packed=packed) == path
+        close(lin.linear(x, w, packed=packed), x.double() @ w.double().T, torch.bfloat16)
 
 
 def _runner(path: str, dtype: str) -> ModelRunner:
@@ -336,6 +397,39 @@ def _scale_weights(runner: ModelRunner, factors: dict[str, float]) -> None:
     for name, slot in runner.model.hf_weight_map().items():
         slot.view.mul_(factors.setdefault(name, 0.5 + torch.rand(()).item()))
     runner.weights_changed()
+
+
+@amx_linear_only
+def test_fused_amx_layers_fall_back_to_onednn_when_a_weight_has_no_amx_copy(tiny_model_path,
+                                                                            monkeypatch):
+    """The fused stack takes one path: AMX where every projection has an AMX copy; one weight
+    left with oneDNN's pack (rows not a multiple of 32 would do it) puts the stack on oneDNN
+    over the plain weights, and a decode step still matches the model without the kernels."""
+    from hotswap.engine.layers import linear as lin
+
+    fused = _runner(tiny_model_path, "bfloat16")
+    if fused.model_config.qk_norm:
+        pytest.skip("Qwen3's q/k norms keep the layer-by-layer path")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    plain = _runner(tiny_model_path, "bfloat16")
+    monkeypatch.setattr(cpu_kernels, "_loaded", True)
+    paths = []
+    stack = cpu_kernels.decode_stack
+    monkeypatch.setattr(cpu_kernels, "decode_stack",
+                        lambda layers, eps, path, heads: paths.append(path) or stack(
+                            layers, eps, path, heads))
+    seqs = {r: [Seq(r, [(5 * i + j) % 256 for j in range(40)]) for i in range(8)]
+            for r in (fused, plain)}
+    for r in (fused, plain):
+        run_step(r, [(s, 30) for s in seqs[r]])
+    for odd_one_out in (False, True):
+        if odd_one_out:
+            o_proj = fused.model.model.layers[-1].self_attn.o_proj
+            o_proj.packed = lin.pack(o_proj.weight)
+            fused.model.model.fused_layers.clear()
+        a, b = ([run_step(r, [(s, 1) for s in seqs[r]]) for r in (fused, plain)])
+        assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 0.1
+    assert paths == [lin.AMX, lin.ONEDNN]
 
 
 @pytest.mark.parametrize("dtype,rows", [("float32", 3), ("bfloat16", 3), ("bfloat16", 8)])

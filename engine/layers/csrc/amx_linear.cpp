@@ -1,0 +1,194 @@
+// bf16 matmuls of decode-sized batches on AMX tiles, the weight streamed from memory once.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define HOTSWAP_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "ops.h"
+
+namespace hotswap {
+namespace {
+
+// W [n, k] is packed once (amx_pack) into blocks of AMX_BLOCK outputs, each the VNNI layout of
+// AMX's B operand, [kp / 2, AMX_BLOCK, 2], k padded with zeros to kp, whole tiles of 32.
+// x is multiplied 32 rows at a time: eight tiles, the two 16-row A tiles against the block's
+// two 16-column B tiles into four float32 accumulators, k in steps of 32. A thread takes blocks
+// in turn, every 32 rows of x for each, so a block is read from memory once; it asks for the
+// next block's lines into L2 a few per step, spread over the block's tile products (oneDNN's
+// matmul, with a call per weight, streams the weight at about half the rate: 30 layers of
+// SmolLM2 at 64 rows from DRAM, 21.6 against 27.5 ms on the Xeon, docs/performance.md).
+constexpr int64_t AMX_BLOCK = 32;
+constexpr int64_t TILE_K = 32;  // bf16 per tile row (64 bytes)
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t ROWS = 2 * TILE_ROWS;  // rows of x per pass over a block
+
+inline int64_t padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+#ifdef HOTSWAP_AMX
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a thread the AMX tile state only once the process asks for it (oneDNN asks too;
+// asking again is harmless).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Blocks [b0, b1) of out [m, n] = bf16(x [mp, kp] @ W.T + bias), x zero-padded to whole passes
+// and tiles, on the calling thread (a function of its own: a lambda would not take the target).
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+void amx_blocks(const at::BFloat16* x, const at::BFloat16* packed, const at::BFloat16* bias,
+                at::BFloat16* out, int64_t m, int64_t n, int64_t kp, int64_t b0, int64_t b1) {
+  const int64_t steps = kp / TILE_K, passes = padded(m, ROWS) / ROWS;
+  const int64_t block_elems = kp * AMX_BLOCK, lines = block_elems * 2 / 64;
+  const int64_t per_step = (lines + passes * steps - 1) / (passes * steps);
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = TILE_ROWS;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float acc[4][TILE_ROWS][16];
+  for (int64_t b = b0; b < b1; ++b) {
+    const at::BFloat16* w = packed + b * block_elems;
+    const char* next = reinterpret_cast<const char*>(w + block_elems);
+    int64_t asked = b + 1 < b1 ? 0 : lines;
+    __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      const __m512i raw = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * AMX_BLOCK)));
+      const __m512i raw1 = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * AMX_BLOCK + 16)));
+      bias0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      bias1 = _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16));
+    }
+    for (int64_t p = 0; p < passes; ++p) {
+      const at::BFloat16* a0 = x + p * ROWS * kp;
+      const at::BFloat16* a1 = a0 + TILE_ROWS * kp;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        for (const int64_t e = std::min(asked + per_step, lines); asked < e; ++asked)
+          _mm_prefetch(next + asked * 64, _MM_HINT_T1);
+        const at::BFloat16* ws = w + s * (TILE_K / 2) * AMX_BLOCK * 2;
+        _tile_loadd(4, a0 + s * TILE_K, kp * 2);
+        _tile_loadd(5, a1 + s * TILE_K, kp * 2);
+        _tile_loadd(6, ws, AMX_BLOCK * 4);
+        _tile_loadd(7, ws + 2 * TILE_ROWS, AMX_BLOCK * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, acc[0], 64);
+      _tile_stored(1, acc[1], 64);
+      _tile_stored(2, acc[2], 64);
+      _tile_stored(3, acc[3], 64);
+      for (int64_t i = 0; i < std::min(ROWS, m - p * ROWS); ++i) {
+        const int64_t t = i < TILE_ROWS ? 0 : 2, r = i % TILE_ROWS;
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(acc[t][r]), bias0);
+        const __m512 hi = _mm512_add_ps(_mm512_load_ps(acc[t + 1][r]), bias1);
+        _mm512_storeu_si512(out + (p * ROWS + i) * n + b * AMX_BLOCK,
+                            (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+}  // namespace
+
+bool amx_built() {
+#ifdef HOTSWAP_AMX
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(0) % AMX_BLOCK == 0,
+              "weight [n, k] bfloat16 with n a multiple of 32 expected");
+  const int64_t n = w.size(0), k = w.size(1), kp = padded(k, TILE_K);
+  auto out = at::zeros({n / AMX_BLOCK, kp * AMX_BLOCK}, w.options());
+  const auto wc = w.contiguous();
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // dst[b][j / 2][c][j % 2] = W[b * AMX_BLOCK + c][j]: a block is the transpose of its rows'
+  // pairs, moved 32 bits at a time (an odd k's last value pairs with a zero).
+  at::parallel_for(0, n / AMX_BLOCK, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < AMX_BLOCK; ++c) {
+        const uint16_t* row = src + (b * AMX_BLOCK + c) * k;
+        uint16_t* col = dst + b * kp * AMX_BLOCK + 2 * c;
+        int64_t j = 0;
+        for (; j + 1 < k; j += 2) {
+          uint32_t pair;
+          std::memcpy(&pair, row + j, 4);
+          std::memcpy(col + j * AMX_BLOCK, &pair, 4);
+        }
+        if (j < k) col[j * AMX_BLOCK] = row[j];
+      }
+  });
+  return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_built(), "amx_linear: built without AMX support (GCC >= 11 or clang >= 12)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
+                  packed.is_contiguous() && packed.size(1) == padded(x.size(1), TILE_K) * AMX_BLOCK,
+              "x [m, k] bfloat16 and amx_pack of a [n, k] weight expected");
+  const int64_t m = x.size(0), k = x.size(1), kp = padded(k, TILE_K);
+  const int64_t n = packed.size(0) * AMX_BLOCK;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n, "bias [n] bfloat16 expected");
+  }
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+#ifdef HOTSWAP_AMX
+  TORCH_CHECK(amx_permitted(), "amx_linear: the kernel did not grant this process AMX");
+  // x zero-padded to whole passes of 32 rows and whole tiles of k, unless it already is.
+  at::Tensor a = x;
+  if (m % ROWS != 0 || kp != k || !x.is_contiguous()) {
+    a = at::zeros({padded(m, ROWS), kp}, x.options());
+    a.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  }
+  const at::BFloat16* ap = a.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n / AMX_BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    amx_blocks(ap, wp, bp, op, m, n, kp, b0, b1);
+  });
+#endif
+  return out;
+}
+
+}  // namespace hotswap
