@@ -14,10 +14,9 @@ process, and each repeat runs them one after the other, so a slow period of this
 hits all of them; medians are printed. Also printed: the machine's bf16/fp32 GFLOP/s for the decode
 matmul shapes (per shape the fastest of the engine's kernels: oneDNN on packed weights, the
 blocked kernel, AMX tiles where a bf16 weight has an AMX copy) and the share of that roofline
-each engine reaches, GB/s of weights read at batch 1
-and of weights and KV read at (t), each as a share of the machine's read bandwidth (the faster of a
-float32 sum and a 1-row blocked matmul over 0.5 GiB), and the bf16 engine's logprob error against
-HF fp32 and bf16.
+each engine reaches, GB/s of weights read at batch 1 and of weights and KV read at (t), each as a
+share of the machine's read bandwidth (the faster of a float32 sum and a 1-row blocked matmul
+over 0.5 GiB), and the bf16 engine's logprob error against HF fp32 and bf16.
 With --quantization int8 an int8 engine (int8 weights x int8 activations, bf16 elsewhere) runs
 first in every round beside the others, and the logprob errors (mean, p99, max over the sampled
 tokens) are printed for each engine; with --quantize-lm-head its lm_head is int8 too (else the

@@ -54,7 +54,7 @@ CHECK = """if True:
             modules[info.name] = repr(e)
 
     from hotswap.engine import Engine
-    from hotswap.engine.layers import cpu_kernels
+    from hotswap.engine.layers import cpu_kernels, kernel_build
 
     kernels = cpu_kernels.available()
     with Engine(model, device="cpu", dtype="float32") as engine:
@@ -63,8 +63,8 @@ CHECK = """if True:
     dists = [d for d in importlib.metadata.distributions() if d.metadata["Name"] == "hotswap"]
     json.dump({"sys_path": sys.path, "engine_file": hotswap.engine.__file__,
                "dists": [str(d.locate_file("")) for d in dists], "modules": modules,
-               "kernels": kernels, "kernel_sources": str(cpu_kernels.SOURCE_DIR),
-               "kernel_build": str(cpu_kernels.build_spec().directory),
+               "kernels": kernels, "kernel_sources": str(kernel_build.SOURCE_DIR),
+               "kernel_build": str(kernel_build.build_spec().directory),
                "output_ids": result["output_ids"]}, open(out, "w"))
 """
 

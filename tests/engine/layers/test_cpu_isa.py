@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from hotswap.engine import cpu_features
-from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers import kernel_build
 
 CPU = frozenset({"sse4_2", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                  "avx512_vnni", "avx512vbmi", "avx_vnni", "amx_bf16", "amx_tile"})
@@ -65,13 +65,13 @@ def test_the_build_is_keyed_by_isa_and_source_bytes_not_by_checkout(cpu, tmp_pat
     so none evicts another."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     a, b = tmp_path / "a", tmp_path / "b"
-    shutil.copytree(cpu_kernels.SOURCE_DIR, a)
-    shutil.copytree(cpu_kernels.SOURCE_DIR, b)
+    shutil.copytree(kernel_build.SOURCE_DIR, a)
+    shutil.copytree(kernel_build.SOURCE_DIR, b)
 
     def spec(source_dir, isa):
-        monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", source_dir)
+        monkeypatch.setattr(kernel_build, "SOURCE_DIR", source_dir)
         cpu(isa)
-        return cpu_kernels.build_spec()
+        return kernel_build.build_spec()
 
     native, avx2 = spec(a, None), spec(a, "avx2")
     assert "-march=native" in native.cflags and "-march=haswell" in avx2.cflags
@@ -82,11 +82,11 @@ def test_the_build_is_keyed_by_isa_and_source_bytes_not_by_checkout(cpu, tmp_pat
 
 
 def test_sources_copied_once_so_a_second_checkout_rebuilds_nothing(tmp_path, monkeypatch):
-    sources = cpu_kernels._copy_sources(tmp_path)
+    sources = kernel_build._copy_sources(tmp_path)
     assert sources and all(s.startswith(str(tmp_path / "src")) for s in sources)
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "src").iterdir()}
     assert set(first) >= {"ops.h", "vec.h", "moe.cpp"}
-    cpu_kernels._copy_sources(tmp_path)
+    kernel_build._copy_sources(tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "src").iterdir()} == first
 
 
@@ -96,12 +96,12 @@ def test_under_the_switch_every_layer_check_answers_no():
     AVX2."""
     code = """if True:
         import json, torch
-        from hotswap.engine.layers import cpu_kernels, linear, moe, quant
+        from hotswap.engine.layers import kernel_build, linear, moe, quant
         print(json.dumps({
             "small_rows": linear.SMALL_ROWS, "bf16_onednn": torch.bfloat16 in linear._ONEDNN_DTYPES,
             "vnni": quant.AVX512_VNNI, "expert_small_rows": moe.EXPERT_SMALL_ROWS,
             "avx512": sorted(f for f in moe.CPU_FLAGS if f.startswith(("avx512", "amx"))),
-            "march": cpu_kernels.build_spec().cflags[1]}))
+            "march": kernel_build.build_spec().cflags[1]}))
     """
     env = {**os.environ, "HOTSWAP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
            "ONEDNN_MAX_CPU_ISA": "AVX2"}

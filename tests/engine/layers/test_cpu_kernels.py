@@ -19,7 +19,7 @@ from hotswap.engine.attention.torch_backend import AMX_EXTEND_MAX_KEYS
 from hotswap.engine.config import EngineConfig, ModelConfig
 from hotswap.engine.executor import sampling
 from hotswap.engine.executor.model_runner import ModelRunner
-from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers import cpu_kernels, kernel_build
 from hotswap.engine.layers.norm import rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -503,27 +503,27 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     """A build killed midway leaves torch's lock file behind; later loads would wait forever."""
     lock = tmp_path / "lock"
     lock.touch()
-    cpu_kernels._drop_stale_lock(lock)
+    kernel_build._drop_stale_lock(lock)
     assert lock.exists()  # a build may be running right now
-    old = time.time() - cpu_kernels.STALE_LOCK_S - 60
+    old = time.time() - kernel_build.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    cpu_kernels._drop_stale_lock(lock)
+    kernel_build._drop_stale_lock(lock)
     assert not lock.exists()
-    cpu_kernels._drop_stale_lock(lock)  # nothing there: nothing to do
+    kernel_build._drop_stale_lock(lock)  # nothing there: nothing to do
 
 
 def test_a_finished_build_loads_without_ninja_or_a_compiler(monkeypatch):
     """After `make setup` (or any first build) an Engine's start loads the library as it is."""
-    assert cpu_kernels.build_spec().ready.exists()
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda tool: None)
-    assert cpu_kernels._build()
+    assert kernel_build.build_spec().ready.exists()
+    monkeypatch.setattr(kernel_build.shutil, "which", lambda tool: None)
+    assert kernel_build.build()
 
 
 def test_missing_sources_fall_back_with_the_reason_logged(tmp_path, monkeypatch, caplog):
     """An install without csrc/ (or a failed build) runs the torch ops, saying why."""
-    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", tmp_path)
-    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
-        assert cpu_kernels._build() is False
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", tmp_path)
+    with caplog.at_level("WARNING", logger=kernel_build.__name__):
+        assert kernel_build.build() is False
     assert "no kernel sources" in caplog.text
 
 
@@ -534,7 +534,7 @@ def test_setup_removes_old_builds_and_nothing_else(tmp_path, monkeypatch, capsys
     shared by machines) and a build under way, and touches nothing else in the folder."""
     root = tmp_path / "ext"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
-    old_time = time.time() - 2 * cpu_kernels.STALE_LOCK_S
+    old_time = time.time() - 2 * kernel_build.STALE_LOCK_S
 
     def build(name: str, ready: str = "", fresh: bool = False) -> Path:
         folder = root / name
@@ -545,18 +545,18 @@ def test_setup_removes_old_builds_and_nothing_else(tmp_path, monkeypatch, capsys
             os.utime(folder, (old_time, old_time))
         return folder
 
-    current = [build(cpu_kernels.build_name(isa)) for isa in cpu_kernels.MARCH]
+    current = [build(kernel_build.build_name(isa)) for isa in kernel_build.MARCH]
     other_cpu = build("hotswap_cpu_kernels_native_0123456789ab",
-                      ready=cpu_kernels._build_key("native"))
+                      ready=kernel_build._build_key("native"))
     under_way = build("hotswap_cpu_kernels_avx2_00000000000a", fresh=True)
     edited = tmp_path / "csrc"
-    shutil.copytree(cpu_kernels.SOURCE_DIR, edited)
+    shutil.copytree(kernel_build.SOURCE_DIR, edited)
     (edited / "rope.cpp").write_text((edited / "rope.cpp").read_text() + "\n")
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "SOURCE_DIR", edited)
-        old = [build(cpu_kernels.build_name("native"))]
-        m.setattr(cpu_kernels.torch, "__version__", "2.8.0")
-        old.append(build(cpu_kernels.build_name("avx2"), ready=cpu_kernels._build_key("avx2")))
+        m.setattr(kernel_build, "SOURCE_DIR", edited)
+        old = [build(kernel_build.build_name("native"))]
+        m.setattr(kernel_build.torch, "__version__", "2.8.0")
+        old.append(build(kernel_build.build_name("avx2"), ready=kernel_build._build_key("avx2")))
     others = [root / "hotswap_cpu_kernels_avx2_0000000000bb", root / "hotswap_cpu_kernels_v1",
               root / "my_extension", root / "hotswap_cpu_kernels_avx512_0000000000cc"]
     others[0].write_text("a file with a build's name")
