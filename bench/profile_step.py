@@ -5,8 +5,8 @@ python bench/profile_step.py [--dtype bfloat16] [--quantization int8] [--batch 6
 Runs `batch` chat prompts x `new` tokens (temperature 1, eos ignored) and profiles every step in
 the scheduler thread. Prints, for the prefill step and the mean decode step: matmuls, attention
 (scores, softmax, weighted sum), KV gather, KV store, norms/rotary/activations and other
-elementwise ops, the lm_head, sampling, and the scheduler's own Python (step wall time minus the
-forward and the sampler).
+elementwise ops (bf16 on AMX: the SiLU-and-multiply inside the gate | up matmul), the lm_head,
+sampling, and the scheduler's own Python (step wall time minus the forward and the sampler).
 """
 
 from __future__ import annotations

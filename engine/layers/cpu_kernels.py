@@ -242,11 +242,12 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.hotswap.amx_pack(weight)
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+               gated: bool = False) -> torch.Tensor:
     """bf16 x [m, k] @ W.T (+ bias) for packed = amx_pack(W): float32 sums over k, rounded once
-    to bf16 (csrc/amx_linear.cpp)."""
-    return torch.ops.hotswap.amx_linear(x, packed, bias)
+    to bf16 (csrc/amx_linear.cpp). gated, for W = [gate | up] (each half a multiple of 32 rows;
+    no bias): silu(x @ gate.T) * (x @ up.T) [m, n / 2] from the float32 sums, rounded once."""
+    return torch.ops.hotswap.amx_linear(x, packed, bias, gated)
 
 
 def head_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import nn
 
 from hotswap.engine.cpu_features import read_cpu_flags
 from hotswap.engine.layers import cpu_kernels
+from hotswap.engine.layers.activation import silu_and_mul
 from hotswap.engine.layers.quant import QuantWeight, int8_linear, quantize_weight
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it.
@@ -186,6 +187,20 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, residual, self.quant, self.blocked)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] projection of x: on AMX in the matmul's epilogue
+        (from the float32 sums, rounded once; models/llama.py's fused layers do the same), else
+        the matmul, then activation.silu_and_mul."""
+        if self.gated_amx() and matmul_path(x, self.weight, None, None, self.quant, self.blocked,
+                                            self.packed) == AMX:
+            return cpu_kernels.amx_linear(x, self.packed, gated=True)
+        return silu_and_mul(self(x))
+
+    def gated_amx(self) -> bool:
+        """Whether amx_linear can multiply this [gate | up] projection gated: an AMX copy, each
+        half whole blocks of 32 outputs, no bias."""
+        return is_amx_pack(self.packed) and self.bias is None and len(self.packed) % 2 == 0
 
     def fused_weights(self, path: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(what cpu_kernels.decode_layers multiplies on `path`, the rest of the int8 copy)."""

@@ -181,10 +181,12 @@ class LlamaMLP(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """(residual +) mlp(x)."""
         lora = fb.lora if fb is not None else None
-        gate_up = self.gate_up_proj(x)
-        if lora is not None:
+        if lora is None:
+            h = self.gate_up_proj.silu_and_mul(x)
+        else:
+            gate_up = self.gate_up_proj(x)
             lora.apply(self.layer_id, "gate_up", x, gate_up)
-        h = silu_and_mul(gate_up)
+            h = silu_and_mul(gate_up)
         out = _project(self.down_proj, h, residual)
         return out if lora is None else lora.apply(self.layer_id, "down", h, out)
 

@@ -15,8 +15,8 @@ namespace hotswap {
 // The vector loops compute as the scalar one, bit for bit (fast_exp's steps, a division), where
 // the compiler vectorised the scalar loop poorly: 64 rows of SmolLM2's MLP on the Xeon, 2
 // threads, bf16 43-49 -> 36-37 us (AVX2 switch: 49-58 -> 41-45), AVX2 float32 40-42 -> 31-32.
-template <typename T>
-void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n) {
+template <typename T, typename Out>
+void silu_and_mul_row(const T* g, const T* u, Out* o, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 one = _mm512_set1_ps(1.f);
@@ -38,12 +38,12 @@ void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n) {
 #pragma omp simd
   for (int64_t i = j; i < n; ++i) {
     const float a = widen(g[i]);
-    o[i] = narrow<T>(a / (1.f + fast_exp(-a)) * widen(u[i]));
+    o[i] = narrow<Out>(a / (1.f + fast_exp(-a)) * widen(u[i]));
   }
 }
-template void silu_and_mul_row<float>(const float*, const float*, float*, int64_t);
-template void silu_and_mul_row<at::BFloat16>(const at::BFloat16*, const at::BFloat16*,
-                                             at::BFloat16*, int64_t);
+template void silu_and_mul_row(const float*, const float*, float*, int64_t);
+template void silu_and_mul_row(const at::BFloat16*, const at::BFloat16*, at::BFloat16*, int64_t);
+template void silu_and_mul_row(const float*, const float*, at::BFloat16*, int64_t);
 
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
 at::Tensor silu_and_mul(const at::Tensor& x) {

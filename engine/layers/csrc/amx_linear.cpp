@@ -53,64 +53,94 @@ bool amx_permitted() {
   return ok;
 }
 
-// Blocks [b0, b1) of out [m, n] = bf16(x [mp, kp] @ W.T + bias), x zero-padded to whole passes
-// and tiles, on the calling thread (a function of its own: a lambda would not take the target).
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-void amx_blocks(const at::BFloat16* x, const at::BFloat16* packed, const at::BFloat16* bias,
-                at::BFloat16* out, int64_t m, int64_t n, int64_t kp, int64_t b0, int64_t b1) {
-  const int64_t steps = kp / TILE_K, passes = padded(m, ROWS) / ROWS;
-  const int64_t block_elems = kp * AMX_BLOCK, lines = block_elems * 2 / 64;
-  const int64_t per_step = (lines + passes * steps - 1) / (passes * steps);
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+
+// Lines a thread asks for into L2 while it multiplies a unit: the next unit's blocks, one or two
+// (not adjacent when gated), spread evenly over the unit's tile products.
+struct NextLines {
+  const char* blocks[2];
+  int64_t block_lines, lines, per_step, asked;
+  void step() {
+    for (const int64_t e = std::min(asked + per_step, lines); asked < e; ++asked)
+      _mm_prefetch(asked < block_lines ? blocks[0] + asked * 64
+                                       : blocks[1] + (asked - block_lines) * 64,
+                   _MM_HINT_T1);
+  }
+};
+
+// The float32 sums of 32 rows of x (a0: the first, rows kp apart) against one block w, into
+// acc [32 rows][32 outputs]; the tiles hold no state between calls.
+AMX_TARGET inline void block_pass(const at::BFloat16* a0, const at::BFloat16* w, int64_t kp,
+                                  float* acc, NextLines& next) {
+  const at::BFloat16* a1 = a0 + TILE_ROWS * kp;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < kp / TILE_K; ++s) {
+    next.step();
+    const at::BFloat16* ws = w + s * (TILE_K / 2) * AMX_BLOCK * 2;
+    _tile_loadd(4, a0 + s * TILE_K, kp * 2);
+    _tile_loadd(5, a1 + s * TILE_K, kp * 2);
+    _tile_loadd(6, ws, AMX_BLOCK * 4);
+    _tile_loadd(7, ws + 2 * TILE_ROWS, AMX_BLOCK * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, AMX_BLOCK * 4);
+  _tile_stored(1, acc + TILE_ROWS, AMX_BLOCK * 4);
+  _tile_stored(2, acc + TILE_ROWS * AMX_BLOCK, AMX_BLOCK * 4);
+  _tile_stored(3, acc + TILE_ROWS * AMX_BLOCK + TILE_ROWS, AMX_BLOCK * 4);
+}
+
+// Units [u0, u1) of out [m, width] on the calling thread, x [mp, kp] zero-padded to whole
+// passes and tiles (a function of its own: a lambda would not take the target). A unit is one
+// block: out = bf16(x @ W.T + bias), width n; or, gated, block u of the gate half and block u
+// of the up half: out = silu(x @ Wg.T) * (x @ Wu.T), width n / 2.
+AMX_TARGET void amx_units(const at::BFloat16* x, const at::BFloat16* packed,
+                          const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
+                          int64_t kp, bool gated, int64_t u0, int64_t u1) {
+  const int64_t passes = padded(m, ROWS) / ROWS, parts = gated ? 2 : 1;
+  const int64_t width = gated ? n / 2 : n, half = n / AMX_BLOCK / 2;
+  const int64_t block_elems = kp * AMX_BLOCK, block_lines = block_elems * 2 / 64;
+  const int64_t lines = parts * block_lines;
+  const int64_t per_step = (lines + passes * parts * (kp / TILE_K) - 1) /
+                           (passes * parts * (kp / TILE_K));
+  auto block = [&](int64_t u, int64_t part) { return packed + (u + part * half) * block_elems; };
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = TILE_ROWS;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) float acc[4][TILE_ROWS][16];
-  for (int64_t b = b0; b < b1; ++b) {
-    const at::BFloat16* w = packed + b * block_elems;
-    const char* next = reinterpret_cast<const char*>(w + block_elems);
-    int64_t asked = b + 1 < b1 ? 0 : lines;
+  alignas(64) float acc[2][ROWS * AMX_BLOCK];
+  for (int64_t u = u0; u < u1; ++u) {
+    NextLines next{{reinterpret_cast<const char*>(block(u + 1, 0)),
+                    reinterpret_cast<const char*>(block(u + 1, 1))},
+                   block_lines, lines, per_step, u + 1 < u1 ? 0 : lines};
     __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
     if (bias != nullptr) {
       const __m512i raw = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * AMX_BLOCK)));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + u * AMX_BLOCK)));
       const __m512i raw1 = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * AMX_BLOCK + 16)));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + u * AMX_BLOCK + 16)));
       bias0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
       bias1 = _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16));
     }
     for (int64_t p = 0; p < passes; ++p) {
-      const at::BFloat16* a0 = x + p * ROWS * kp;
-      const at::BFloat16* a1 = a0 + TILE_ROWS * kp;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t s = 0; s < steps; ++s) {
-        for (const int64_t e = std::min(asked + per_step, lines); asked < e; ++asked)
-          _mm_prefetch(next + asked * 64, _MM_HINT_T1);
-        const at::BFloat16* ws = w + s * (TILE_K / 2) * AMX_BLOCK * 2;
-        _tile_loadd(4, a0 + s * TILE_K, kp * 2);
-        _tile_loadd(5, a1 + s * TILE_K, kp * 2);
-        _tile_loadd(6, ws, AMX_BLOCK * 4);
-        _tile_loadd(7, ws + 2 * TILE_ROWS, AMX_BLOCK * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, acc[0], 64);
-      _tile_stored(1, acc[1], 64);
-      _tile_stored(2, acc[2], 64);
-      _tile_stored(3, acc[3], 64);
+      for (int64_t part = 0; part < parts; ++part)
+        block_pass(x + p * ROWS * kp, block(u, part), kp, acc[part], next);
       for (int64_t i = 0; i < std::min(ROWS, m - p * ROWS); ++i) {
-        const int64_t t = i < TILE_ROWS ? 0 : 2, r = i % TILE_ROWS;
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(acc[t][r]), bias0);
-        const __m512 hi = _mm512_add_ps(_mm512_load_ps(acc[t + 1][r]), bias1);
-        _mm512_storeu_si512(out + (p * ROWS + i) * n + b * AMX_BLOCK,
-                            (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        at::BFloat16* o = out + (p * ROWS + i) * width + u * AMX_BLOCK;
+        if (gated) {
+          silu_and_mul_row(acc[0] + i * AMX_BLOCK, acc[1] + i * AMX_BLOCK, o, AMX_BLOCK);
+          continue;
+        }
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(acc[0] + i * AMX_BLOCK), bias0);
+        const __m512 hi = _mm512_add_ps(_mm512_load_ps(acc[0] + i * AMX_BLOCK + 16), bias1);
+        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     }
   }
@@ -156,12 +186,14 @@ at::Tensor amx_pack(const at::Tensor& w) {
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const std::optional<at::Tensor>& bias) {
+                      const std::optional<at::Tensor>& bias, bool gated) {
   TORCH_CHECK(amx_built(), "amx_linear: built without AMX support (GCC >= 11 or clang >= 12)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
                   packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
                   packed.is_contiguous() && packed.size(1) == padded(x.size(1), TILE_K) * AMX_BLOCK,
               "x [m, k] bfloat16 and amx_pack of a [n, k] weight expected");
+  TORCH_CHECK(!gated || (packed.size(0) % 2 == 0 && !bias.has_value()),
+              "gated: a [gate | up] weight of 2 x a multiple of 32 rows, and no bias, expected");
   const int64_t m = x.size(0), k = x.size(1), kp = padded(k, TILE_K);
   const int64_t n = packed.size(0) * AMX_BLOCK;
   at::Tensor b;
@@ -169,7 +201,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
     b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n, "bias [n] bfloat16 expected");
   }
-  auto out = at::empty({m, n}, x.options());
+  auto out = at::empty({m, gated ? n / 2 : n}, x.options());
   if (m == 0) return out;
 #ifdef HOTSWAP_AMX
   TORCH_CHECK(amx_permitted(), "amx_linear: the kernel did not grant this process AMX");
@@ -183,8 +215,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, n / AMX_BLOCK, 1, [&](int64_t b0, int64_t b1) {
-    amx_blocks(ap, wp, bp, op, m, n, kp, b0, b1);
+  at::parallel_for(0, packed.size(0) / (gated ? 2 : 1), 1, [&](int64_t u0, int64_t u1) {
+    amx_units(ap, wp, bp, op, m, n, kp, gated, u0, u1);
   });
 #endif
   return out;

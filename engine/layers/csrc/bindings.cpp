@@ -33,7 +33,7 @@ TORCH_LIBRARY(hotswap, m) {
   m.def("head_amx() -> bool");
   m.def("amx_built() -> bool");
   m.def("amx_pack(Tensor weight) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None, bool gated=False) -> Tensor");
   m.def("head_pack(Tensor weight) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
         "-> Tensor");

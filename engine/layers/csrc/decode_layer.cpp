@@ -53,7 +53,7 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
     });
   at::Tensor out;
   if (path == PATH_AMX) {
-    out = scoped("hotswap::amx_linear", [&] { return amx_linear(x, w, b); });
+    out = scoped("hotswap::amx_linear", [&] { return amx_linear(x, w, b, false); });
   } else if (path == PATH_ONEDNN) {
     static auto plain = c10::Dispatcher::singleton()
         .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -106,10 +106,20 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
                             step.req_idx, step.seq_lens, step.scale);
   });
   auto h = path_linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_quant);
-  auto gate_up = path_linear(norm(h, w.post_norm, small ? nullptr : &x), w.gate_up, std::nullopt,
-                        nullptr, path, w.gate_up_quant);
-  gate_up = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
-  auto out = path_linear(gate_up, w.down, std::nullopt, small ? &h : nullptr, path, w.down_quant);
+  const auto normed = norm(h, w.post_norm, small ? nullptr : &x);
+  // On AMX the SiLU-and-multiply is the gate | up matmul's epilogue where each half is whole
+  // blocks (as layers/linear.py's Linear.silu_and_mul).
+  at::Tensor act;
+  if (path == PATH_AMX && w.gate_up.size(0) % 2 == 0) {
+    act = scoped("hotswap::amx_linear", [&] {
+      return amx_linear(normed, w.gate_up, std::nullopt, true);
+    });
+  } else {
+    const auto gate_up = path_linear(normed, w.gate_up, std::nullopt, nullptr, path,
+                                     w.gate_up_quant);
+    act = scoped("hotswap::silu_and_mul", [&] { return silu_and_mul(gate_up); });
+  }
+  auto out = path_linear(act, w.down, std::nullopt, small ? &h : nullptr, path, w.down_quant);
   return {out, small ? at::Tensor() : h};
 }
 

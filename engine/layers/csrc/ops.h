@@ -24,9 +24,10 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
                          const at::Tensor* residual);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
-// One row of silu_and_mul: o[j] = silu(g[j]) * u[j] for j < n (T float or at::BFloat16).
-template <typename T>
-void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n);
+// One row of silu_and_mul: o[j] = silu(g[j]) * u[j] for j < n (T, Out: float or at::BFloat16,
+// float -> at::BFloat16 for amx_linear's gated sums).
+template <typename T, typename Out>
+void silu_and_mul_row(const T* g, const T* u, Out* o, int64_t n);
 // small_linear's float32 sums of x [m, k] @ w [n, k].T for a bf16 x, on the calling thread,
 // before the rounding to x's dtype (moe.cpp runs one expert per thread on it).
 void small_linear_sums(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t m,
@@ -39,11 +40,11 @@ at::Tensor head_pack(const at::Tensor& w);
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                        const at::Tensor& packed, int64_t vocab);
 // bf16 matmuls on AMX tiles over a weight in amx_pack's layout (amx_linear.cpp); amx_built:
-// whether the compiler could build them.
+// whether the compiler could build them. gated: W is [gate | up], the result silu(gate) * up.
 bool amx_built();
 at::Tensor amx_pack(const at::Tensor& w);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const std::optional<at::Tensor>& bias);
+                      const std::optional<at::Tensor>& bias, bool gated);
 // How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL, INT8, BLOCKED and AMX.
 constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3, PATH_BLOCKED = 4,
                   PATH_AMX = 5;

@@ -312,6 +312,32 @@ def test_amx_linear_is_the_float32_sum_rounded_once(n, k):
 
 
 @amx_linear_only
+@pytest.mark.parametrize("n,k", [(3072, 576), (64, 40), (128, 1536)])
+def test_gated_amx_linear_is_silu_times_up_of_the_float32_sums_rounded_once(n, k):
+    """W = [gate | up]: silu(x @ gate.T) * (x @ up.T) from the tiles' float32 sums, rounded
+    once to bf16 (the unfused path rounds gate and up first, then the product); each row as it
+    is alone; Linear.silu_and_mul takes it from SMALL_ROWS + 1 rows on, the two ops below."""
+    from hotswap.engine.layers import linear as lin
+
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    packed = cpu_kernels.amx_pack(w)
+    proj = lin.Linear(k, n, bias=False).bfloat16()
+    proj.weight.data.copy_(w)
+    proj.packed = lin.pack_linear(proj.weight)
+    assert proj.gated_amx()
+    for m in (1, 7, 32, 45, 100):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+        got = cpu_kernels.amx_linear(x, packed, gated=True)
+        close(got, F.silu(gate) * up, torch.bfloat16)
+        for i in {0, m // 2, m - 1}:
+            assert torch.equal(got[i], cpu_kernels.amx_linear(x[i:i + 1], packed, gated=True)[0])
+        want = got if m > lin.SMALL_ROWS else cpu_kernels.silu_and_mul(proj(x))
+        assert torch.equal(proj.silu_and_mul(x), want)
+
+
+@amx_linear_only
 def test_amx_linear_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError, match="n a multiple of 32"):
         cpu_kernels.amx_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
@@ -321,6 +347,12 @@ def test_amx_linear_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError, match="bias"):
         cpu_kernels.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed,
                                torch.zeros(63, dtype=torch.bfloat16))
+    odd = cpu_kernels.amx_pack(torch.zeros(96, 64, dtype=torch.bfloat16))  # 3 blocks
+    with pytest.raises(RuntimeError, match="gated"):
+        cpu_kernels.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), odd, gated=True)
+    with pytest.raises(RuntimeError, match="gated"):
+        cpu_kernels.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed,
+                               torch.zeros(64, dtype=torch.bfloat16), gated=True)
 
 
 @amx_linear_only
