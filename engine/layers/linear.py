@@ -20,7 +20,8 @@ With quantization="int8" a Linear also holds an int8 copy of its weight (quant.p
 the ModelRunner like the packs; every step then takes quant.int8_linear, whatever its rows.
 
 On the blocked, small and int8 paths the bias and the residual are added to the float32 sums
-before the one rounding; on AMX the bias is, the residual after.
+before the one rounding; on AMX the bias is, the residual after, and a [gate | up] projection's
+SiLU-and-multiply joins the sums too (Linear.silu_and_mul).
 """
 
 from __future__ import annotations
