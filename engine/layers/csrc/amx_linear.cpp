@@ -24,9 +24,10 @@ namespace {
 // W [n, k] is packed once (amx_pack) into blocks of AMX_BLOCK outputs, each the VNNI layout of
 // AMX's B operand, [kp / 2, AMX_BLOCK, 2], k padded with zeros to kp, whole tiles of 32.
 // x is multiplied 32 rows at a time: eight tiles, the two 16-row A tiles against the block's
-// two 16-column B tiles into four float32 accumulators, k in steps of 32. A thread takes blocks
-// in turn, every 32 rows of x for each, so a block is read from memory once; it asks for the
-// next block's lines into L2 a few per step, spread over the block's tile products (oneDNN's
+// two 16-column B tiles into four float32 accumulators, k in steps of 32. A thread takes units
+// (a block; gated, a gate block and its up block) in turn, every 32 rows of x for each, so a
+// block is read from memory once; it asks for the next unit's lines into L2 a few per step,
+// spread over the unit's tile products (oneDNN's
 // matmul, with a call per weight, streams the weight at about half the rate: 30 layers of
 // SmolLM2 at 64 rows from DRAM, 21.6 against 27.5 ms on the Xeon, docs/performance.md).
 constexpr int64_t AMX_BLOCK = 32;
@@ -117,9 +118,10 @@ AMX_TARGET void amx_units(const at::BFloat16* x, const at::BFloat16* packed,
   _tile_loadconfig(&cfg);
   alignas(64) float acc[2][ROWS * AMX_BLOCK];
   for (int64_t u = u0; u < u1; ++u) {
-    NextLines next{{reinterpret_cast<const char*>(block(u + 1, 0)),
-                    reinterpret_cast<const char*>(block(u + 1, 1))},
-                   block_lines, lines, per_step, u + 1 < u1 ? 0 : lines};
+    const bool last = u + 1 == u1;
+    NextLines next{{last ? nullptr : reinterpret_cast<const char*>(block(u + 1, 0)),
+                    last || !gated ? nullptr : reinterpret_cast<const char*>(block(u + 1, 1))},
+                   block_lines, lines, per_step, last ? lines : 0};
     __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
     if (bias != nullptr) {
       const __m512i raw = _mm512_cvtepu16_epi32(
