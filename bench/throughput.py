@@ -220,7 +220,7 @@ def measure_matmuls(shapes: dict[str, tuple[int, int, int]], rows: int = 64, rep
             qw = quantize_weight(torch.randn(n, k) * 0.05)
             times[name] = _median_s(repeats, int8_linear, x, qw)
         out["int8"] = times
-    if cpu_kernels.available() and cpu_kernels.head_amx():
+    if cpu_kernels.available() and cpu_kernels.amx():
         # The float32 head of a bf16 engine as the engine runs it here: AMX matmuls of an exact
         # split (cpu_kernels.head_logits), not a float32 matmul.
         k, n, _ = shapes["lm_head"]

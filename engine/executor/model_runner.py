@@ -122,7 +122,8 @@ class ModelRunner:
 
     def _allocate_parameters(self) -> None:
         total = sum(shape.numel() for _, shape in self._param_shapes)
-        flat = torch.empty(total, dtype=self.dtype, device=self.device)
+        # In 2 MiB pages on CPU: the kernels of few-row steps stream the plain weights.
+        flat = cpu_kernels.huge_empty((total,), self.dtype, self.device)
         offset = 0
         for p, shape in self._param_shapes:
             p.data = flat[offset: offset + shape.numel()].view(shape)

@@ -96,20 +96,24 @@ BLOCK = 32  # outputs per block of the blocked layout
 HUGE_PAGE = 2 << 20
 
 
-def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised CPU tensor in memory that asks the kernel for 2 MiB pages (from its
     first 2 MiB boundary), so that a stream over it crosses a page boundary, and misses the
     TLB, 512 times less often: a layer-by-layer one-row pass over SmolLM2's blocked weights ran
-    8-15% faster (docs/performance.md). Below one huge page, or where the OS has no such
-    advice, torch.empty. Untouched pages stay unmapped, as torch.empty's."""
+    8-15% faster (docs/performance.md). The tensor is its storage's whole, as a flat buffer of
+    parameters must be (weights/standby.py). Below one huge page, where the OS has no such
+    advice, or on another device, torch.empty. Untouched pages stay unmapped, as torch.empty's."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
+    if (torch.device(device).type != "cpu" or nbytes < HUGE_PAGE
+            or not hasattr(mmap, "MADV_HUGEPAGE")):
+        return torch.empty(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping until it is freed
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start: start + nbytes].view(dtype).view(shape)
+    start = -torch.frombuffer(region, dtype=torch.uint8).data_ptr() % HUGE_PAGE
+    # The slice's buffer keeps the mapping until the tensor is freed.
+    raw = torch.frombuffer(memoryview(region)[start: start + nbytes], dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
 def block_pack_all(weights: list[torch.Tensor],
@@ -226,15 +230,11 @@ def sample_rows(x: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, 
     return torch.ops.hotswap.sample_rows(x, u)
 
 
-def head_amx() -> bool:
-    """Whether the bf16 lm_head can run as AMX matmuls (head_pack / head_logits)."""
-    return available() and "amx_bf16" in read_cpu_flags() and torch.ops.hotswap.head_amx()
-
-
 def amx() -> bool:
-    """Whether bf16 matmuls can run on AMX tiles (amx_pack / amx_linear): AMX on the CPU (and
-    not switched off by HOTSWAP_CPU_ISA), and a compiler that built them."""
-    return head_amx() and torch.ops.hotswap.amx_built()
+    """Whether bf16 matmuls, the float32 head's included, can run on AMX tiles (amx_pack /
+    amx_linear, head_pack / head_logits): AMX on the CPU (and not switched off by
+    HOTSWAP_CPU_ISA), and a compiler that built the kernels."""
+    return available() and "amx_bf16" in read_cpu_flags() and torch.ops.hotswap.head_amx()
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,8 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
 
 
 def head_pack(weight: torch.Tensor) -> torch.Tensor:
-    """The bf16 lm_head weight [vocab, k] (k even) in the VNNI blocks head_logits reads."""
+    """The bf16 lm_head weight [vocab, k] in amx_pack's layout (its rows padded to whole blocks
+    of 32), as head_logits reads it."""
     return torch.ops.hotswap.head_pack(weight)
 
 

@@ -358,8 +358,8 @@ class LlamaForCausalLM(nn.Module):
             self.fp32_head = None
             return
         norm, head = self.model.norm.weight.detach(), self.lm_head_weight.detach()
-        if (head.dtype == norm.dtype == torch.bfloat16 and head.shape[1] % 2 == 0
-                and cpu_kernels.applies(head) and cpu_kernels.head_amx()):
+        if (head.dtype == norm.dtype == torch.bfloat16 and cpu_kernels.applies(head)
+                and cpu_kernels.amx()):
             # No float32 copy: AMX multiplies the bf16 weight by an exact split (float32 products).
             self.fp32_head = Fp32Head(norm.float(), None, None, cpu_kernels.head_pack(head))
             return

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hotswap.engine.layers import cpu_kernels
 from hotswap.engine.models.llama import WeightSlot
 from hotswap.engine.models.loader import is_ignored
 from hotswap.weight_sync.receiver import Landing
@@ -94,7 +95,7 @@ class Standby:
             return None
         flat, _ = live
         if self.flat is None or self.flat.numel() != flat.numel() or self.flat.dtype != flat.dtype:
-            self.flat = torch.empty_like(flat)
+            self.flat = cpu_kernels.huge_empty(tuple(flat.shape), flat.dtype, flat.device)
         base = flat.data_ptr()
         out = {}
         for name in names:

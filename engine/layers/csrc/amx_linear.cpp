@@ -96,20 +96,50 @@ AMX_TARGET inline void block_pass(const at::BFloat16* a0, const at::BFloat16* w,
   _tile_stored(3, acc + TILE_ROWS * AMX_BLOCK + TILE_ROWS, AMX_BLOCK * 4);
 }
 
-// Units [u0, u1) of out [m, width] on the calling thread, x [mp, kp] zero-padded to whole
-// passes and tiles (a function of its own: a lambda would not take the target). A unit is one
-// block: out = bf16(x @ W.T + bias), width n; or, gated, block u of the gate half and block u
-// of the up half: out = silu(x @ Wg.T) * (x @ Wu.T), width n / 2.
-AMX_TARGET void amx_units(const at::BFloat16* x, const at::BFloat16* packed,
-                          const at::BFloat16* bias, at::BFloat16* out, int64_t m, int64_t n,
-                          int64_t kp, bool gated, int64_t u0, int64_t u1) {
-  const int64_t passes = padded(m, ROWS) / ROWS, parts = gated ? 2 : 1;
-  const int64_t width = gated ? n / 2 : n, half = n / AMX_BLOCK / 2;
+// What a unit writes from its float32 sums: the bias added and rounded to bf16 (kRound);
+// silu(gate) * up rounded to bf16 (kGated); or the float32 head's s * (hi + lo) (kHead).
+enum class Epilogue { kRound, kGated, kHead };
+
+// One call's units: x [passes x 32, kp] zero-padded to whole passes and tiles; for kHead each
+// pass holds 16 rows' hi parts, then the same rows' lo parts (head.cpp), and covers those 16
+// rows of out. A unit is one block: kRound out [m, n] bf16 = x @ W.T + bias; kHead out
+// [m, width] float32 (width <= n, the rest padding) = scales[i] * (hi_i + lo_i) @ W.T. Gated, a
+// unit is block u of the gate half and block u of the up half: out [m, n / 2] bf16 =
+// silu(x @ Wg.T) * (x @ Wu.T).
+struct Units {
+  const at::BFloat16* x;
+  const at::BFloat16* packed;
+  int64_t m, n, kp;
+  Epilogue epilogue;
+  const at::BFloat16* bias;  // kRound: [n], or none
+  const float* scales;       // kHead: [m]
+  void* out;
+  int64_t width;  // kHead: out's columns
+};
+
+AMX_TARGET inline __m512 bias_half(const at::BFloat16* bias) {
+  const __m512i raw =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+}
+
+// The mask of a row's first `count` lanes of 16 (the head's last block may end inside one).
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : __mmask16((1u << count) - 1);
+}
+
+// Units [u0, u1) of `job` on the calling thread (a function of its own: a lambda would not take
+// the target).
+AMX_TARGET void amx_units(const Units& job, int64_t u0, int64_t u1) {
+  const bool gated = job.epilogue == Epilogue::kGated, head = job.epilogue == Epilogue::kHead;
+  const int64_t kp = job.kp, pass_rows = head ? TILE_ROWS : ROWS, parts = gated ? 2 : 1;
+  const int64_t passes = padded(job.m, pass_rows) / pass_rows, half = job.n / AMX_BLOCK / 2;
   const int64_t block_elems = kp * AMX_BLOCK, block_lines = block_elems * 2 / 64;
-  const int64_t lines = parts * block_lines;
-  const int64_t per_step = (lines + passes * parts * (kp / TILE_K) - 1) /
-                           (passes * parts * (kp / TILE_K));
-  auto block = [&](int64_t u, int64_t part) { return packed + (u + part * half) * block_elems; };
+  const int64_t lines = parts * block_lines, steps = passes * parts * (kp / TILE_K);
+  const int64_t per_step = (lines + steps - 1) / steps;
+  auto block = [&](int64_t u, int64_t part) {
+    return job.packed + (u + part * half) * block_elems;
+  };
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
@@ -122,26 +152,36 @@ AMX_TARGET void amx_units(const at::BFloat16* x, const at::BFloat16* packed,
     NextLines next{{last ? nullptr : reinterpret_cast<const char*>(block(u + 1, 0)),
                     last || !gated ? nullptr : reinterpret_cast<const char*>(block(u + 1, 1))},
                    block_lines, lines, per_step, last ? lines : 0};
-    __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
-    if (bias != nullptr) {
-      const __m512i raw = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + u * AMX_BLOCK)));
-      const __m512i raw1 = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + u * AMX_BLOCK + 16)));
-      bias0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      bias1 = _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16));
-    }
+    const bool biased = job.epilogue == Epilogue::kRound && job.bias != nullptr;
+    const __m512 bias0 = biased ? bias_half(job.bias + u * AMX_BLOCK) : _mm512_setzero_ps();
+    const __m512 bias1 = biased ? bias_half(job.bias + u * AMX_BLOCK + 16) : _mm512_setzero_ps();
+    const int64_t c0 = u * AMX_BLOCK;
+    const __mmask16 mask0 = first_lanes(job.width - c0), mask1 = first_lanes(job.width - c0 - 16);
     for (int64_t p = 0; p < passes; ++p) {
       for (int64_t part = 0; part < parts; ++part)
-        block_pass(x + p * ROWS * kp, block(u, part), kp, acc[part], next);
-      for (int64_t i = 0; i < std::min(ROWS, m - p * ROWS); ++i) {
-        at::BFloat16* o = out + (p * ROWS + i) * width + u * AMX_BLOCK;
-        if (gated) {
-          silu_and_mul_row(acc[0] + i * AMX_BLOCK, acc[1] + i * AMX_BLOCK, o, AMX_BLOCK);
+        block_pass(job.x + p * ROWS * kp, block(u, part), kp, acc[part], next);
+      const int64_t r0 = p * pass_rows;
+      for (int64_t i = 0; i < std::min(pass_rows, job.m - r0); ++i) {
+        const float* sums = acc[0] + i * AMX_BLOCK;
+        if (head) {
+          const float* lo = acc[0] + (TILE_ROWS + i) * AMX_BLOCK;
+          const __m512 s = _mm512_set1_ps(job.scales[r0 + i]);
+          float* o = static_cast<float*>(job.out) + (r0 + i) * job.width + c0;
+          _mm512_mask_storeu_ps(o, mask0, _mm512_mul_ps(s, _mm512_add_ps(_mm512_load_ps(sums),
+                                                                          _mm512_load_ps(lo))));
+          _mm512_mask_storeu_ps(o + 16, mask1,
+                                _mm512_mul_ps(s, _mm512_add_ps(_mm512_load_ps(sums + 16),
+                                                               _mm512_load_ps(lo + 16))));
           continue;
         }
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(acc[0] + i * AMX_BLOCK), bias0);
-        const __m512 hi = _mm512_add_ps(_mm512_load_ps(acc[0] + i * AMX_BLOCK + 16), bias1);
+        at::BFloat16* o = static_cast<at::BFloat16*>(job.out) +
+                          (r0 + i) * (gated ? job.n / 2 : job.n) + c0;
+        if (gated) {
+          silu_and_mul_row(sums, acc[1] + i * AMX_BLOCK, o, AMX_BLOCK);
+          continue;
+        }
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(sums), bias0);
+        const __m512 hi = _mm512_add_ps(_mm512_load_ps(sums + 16), bias1);
         _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     }
@@ -213,15 +253,25 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
     a = at::zeros({padded(m, ROWS), kp}, x.options());
     a.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
   }
-  const at::BFloat16* ap = a.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, packed.size(0) / (gated ? 2 : 1), 1, [&](int64_t u0, int64_t u1) {
-    amx_units(ap, wp, bp, op, m, n, kp, gated, u0, u1);
-  });
+  const Units job{a.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), m, n, kp,
+                  gated ? Epilogue::kGated : Epilogue::kRound,
+                  b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, nullptr, out.data_ptr(), n};
+  at::parallel_for(0, packed.size(0) / (gated ? 2 : 1), 1,
+                   [&](int64_t u0, int64_t u1) { amx_units(job, u0, u1); });
 #endif
   return out;
+}
+
+void amx_head(const at::BFloat16* parts, const float* scales, const at::Tensor& packed, float* out,
+              int64_t m, int64_t width) {
+#ifdef HOTSWAP_AMX
+  TORCH_CHECK(amx_permitted(), "head_logits: the kernel did not grant this process AMX");
+  const Units job{parts, packed.data_ptr<at::BFloat16>(), m, packed.size(0) * AMX_BLOCK,
+                  packed.size(1) / AMX_BLOCK, Epilogue::kHead, nullptr, scales, out, width};
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t u0, int64_t u1) { amx_units(job, u0, u1); });
+#else
+  TORCH_CHECK(false, "head_logits: built without AMX support (GCC >= 11 or clang >= 12)");
+#endif
 }
 
 }  // namespace hotswap

@@ -45,6 +45,11 @@ bool amx_built();
 at::Tensor amx_pack(const at::Tensor& w);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias, bool gated);
+// The float32 head's matmul on AMX tiles (head.cpp): out [m, width] = scales[i] * (hi_i + lo_i)
+// @ W.T for packed = amx_pack(W) (W's rows padded to whole blocks, width of them real) and
+// parts [ceil(m / 16) x 32, kp] bf16, 16 rows' hi parts then their lo parts, zero-padded.
+void amx_head(const at::BFloat16* parts, const float* scales, const at::Tensor& packed, float* out,
+              int64_t m, int64_t width);
 // How a kernel multiplies: layers/linear.py's ATEN, ONEDNN, SMALL, INT8, BLOCKED and AMX.
 constexpr int64_t PATH_ATEN = 0, PATH_ONEDNN = 1, PATH_SMALL = 2, PATH_INT8 = 3, PATH_BLOCKED = 4,
                   PATH_AMX = 5;

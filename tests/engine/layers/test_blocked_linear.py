@@ -81,6 +81,10 @@ def test_huge_empty_is_an_ordinary_tensor():
     assert small.shape == (3, 4) and big.shape == (2, 1 << 20) and big.dtype == torch.bfloat16
     big.fill_(2.0)
     assert big.is_contiguous() and float(big.float().sum()) == 4 << 20
+    # the tensor is its storage's whole (a flat parameter buffer is laid out by storage offsets)
+    assert big.untyped_storage().nbytes() == big.nbytes and big.storage_offset() == 0
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big.data_ptr() % cpu_kernels.HUGE_PAGE == 0
     view = big[1]
     del big  # a view keeps the region mapped
     assert float(view[-1]) == 2.0

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from hotswap.engine import Engine
 from hotswap.engine.errors import WeightsIncompleteError
+from hotswap.engine.layers import cpu_kernels
 from hotswap.weight_sync import WeightSender, WeightSyncError
 from hotswap.weight_sync.group import free_port
 
@@ -91,14 +92,22 @@ def test_two_phase_refuses_non_finite_at_prepare(paths):
         assert _outputs(one) == _outputs(two) == want
 
 
-def test_swap_then_partial_updates_keep_every_tensor(paths):
+@pytest.mark.parametrize("huge", [False, True])
+def test_swap_then_partial_updates_keep_every_tensor(paths, huge, monkeypatch):
     """A complete update swaps buffers; a later one that leaves a tensor out still serves that
-    tensor's latest value (copied into the standby first); a small one is copied in."""
+    tensor's latest value (copied into the standby first); a small one is copied in. With
+    `huge`, both buffers are huge_empty regions (as a real model's are on CPU; the tiny model
+    is under 2 MiB, so the test lowers the page size)."""
+    if huge:
+        monkeypatch.setattr(cpu_kernels, "HUGE_PAGE", 4096)
     b, c = _tensors(paths["b"]), _tensors(paths["c"])
     with _engine(paths["a"]) as eng:
-        live = eng.weights.runner.weight_map["model.norm.weight"].param.data_ptr()
+        norm = eng.weights.runner.weight_map["model.norm.weight"].param
+        live, buffer = norm.data_ptr(), norm.untyped_storage().data_ptr()
         assert _send([eng], b)[0]["success"]
-        assert eng.weights.runner.weight_map["model.norm.weight"].param.data_ptr() != live
+        assert norm.data_ptr() != live
+        if huge:  # the live buffer and the standby swapped in both start on a page
+            assert buffer % 4096 == norm.untyped_storage().data_ptr() % 4096 == 0
         assert set(eng.weights.last_stages) >= {"validate", "receive", "check", "install"}
         most = {n: t for n, t in c.items() if n != "model.norm.weight"}
         assert _send([eng], most, weight_version="most")[0]["success"]
