@@ -23,13 +23,13 @@ from hotswap.engine.layers.linear import (
     ONEDNN,
     SMALL_ROWS,
     Linear,
+    amx_packs,
     blocks_by_default,
     can_block,
     is_amx_pack,
     linear,
     matmul_path,
     pack,
-    pack_linear,
     quantize_model,
 )
 from hotswap.engine.layers.norm import RMSNorm, rms_norm
@@ -305,9 +305,10 @@ class LlamaForCausalLM(nn.Module):
         self.fp32_head: Fp32Head | None = None
         # deterministic=True's, and a float32 model's by default (pack_weights)
         self.blocked_head: InvariantHead | None = None
-        # The layers' blocked copies' memory, by dtype: kept across weight updates
-        # (cpu_kernels.block_pack_all), freed with the weights (ModelRunner.release_weights).
-        self.pack_regions: dict[torch.dtype, torch.Tensor] = {}
+        # The memory of the layers' blocked copies (by dtype), their AMX copies ("amx") and the
+        # AMX head's ("head"), in huge pages: kept across weight updates (cpu_kernels.
+        # side_by_side), freed with the weights (ModelRunner.release_weights).
+        self.pack_regions: dict[torch.dtype | str, torch.Tensor] = {}
         self.draft: nn.Module | None = None  # a learned draft's DraftModel (models/draft.py)
 
     @property
@@ -361,7 +362,9 @@ class LlamaForCausalLM(nn.Module):
         if (head.dtype == norm.dtype == torch.bfloat16 and cpu_kernels.applies(head)
                 and cpu_kernels.amx()):
             # No float32 copy: AMX multiplies the bf16 weight by an exact split (float32 products).
-            self.fp32_head = Fp32Head(norm.float(), None, None, cpu_kernels.head_pack(head))
+            amx = cpu_kernels.side_by_side([head], [cpu_kernels.amx_shape(head)],
+                                           cpu_kernels.head_pack, self.pack_regions, "head")[0]
+            self.fp32_head = Fp32Head(norm.float(), None, None, amx)
             return
         if packed and head.dtype == torch.bfloat16 and blocks_by_default(head, pad=True):
             split = InvariantHead.of(norm, head)
@@ -384,20 +387,27 @@ class LlamaForCausalLM(nn.Module):
         built from the old ones; with `invariant` (deterministic=True) the blocked copies and
         the blocked head, whatever the dtype and the CPU."""
         self.model.fused_layers.clear()
-        blocked_modules = []
+        blocked_modules, amx_modules = [], []
         for module in self.modules():
             if isinstance(module, Linear) and module is not getattr(self, "lm_head", None):
                 # An int8 copy (layers/quant.py, built first) is multiplied instead.
                 plain = enable and module.quant is None
                 blocked = invariant or (plain and blocks_by_default(module.weight))
-                module.blocked = None  # the new copies are set below
-                module.packed = pack_linear(module.weight) if plain and not blocked else None
+                module.blocked = module.packed = None  # the new copies are set below
                 if blocked:
                     blocked_modules.append(module)
+                elif plain and amx_packs(module.weight):
+                    amx_modules.append(module)
+                elif plain:
+                    module.packed = pack(module.weight)
         # In the order a decode step reads them, in the huge pages of the last update's copies.
         packs = cpu_kernels.block_pack_all([m.weight for m in blocked_modules], self.pack_regions)
         for module, packed in zip(blocked_modules, packs):
             module.blocked = packed
+        packs = cpu_kernels.amx_pack_all([m.weight.detach() for m in amx_modules],
+                                         self.pack_regions)
+        for module, packed in zip(amx_modules, packs):
+            module.packed = packed
         # With the float32 head (built first) the model-dtype lm_head is never multiplied.
         head = self.lm_head_weight
         plain = enable and self.fp32_head is None and self.lm_head_quant is None

@@ -200,11 +200,20 @@ bool amx_built() {
 #endif
 }
 
-at::Tensor amx_pack(const at::Tensor& w) {
+at::Tensor amx_pack(const at::Tensor& w, const std::optional<at::Tensor>& into) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(0) % AMX_BLOCK == 0,
               "weight [n, k] bfloat16 with n a multiple of 32 expected");
   const int64_t n = w.size(0), k = w.size(1), kp = padded(k, TILE_K);
-  auto out = at::zeros({n / AMX_BLOCK, kp * AMX_BLOCK}, w.options());
+  at::Tensor out;
+  if (into.has_value()) {
+    out = *into;
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.is_contiguous() &&
+                    out.size(0) == n / AMX_BLOCK && out.size(1) == kp * AMX_BLOCK,
+                "out: a contiguous bfloat16 [n / 32, 32 x k rounded up to 32] expected");
+    if (kp != k) out.zero_();  // the padding of k; every other element is written below
+  } else {
+    out = at::zeros({n / AMX_BLOCK, kp * AMX_BLOCK}, w.options());
+  }
   const auto wc = w.contiguous();
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());

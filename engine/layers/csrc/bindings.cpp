@@ -32,9 +32,9 @@ TORCH_LIBRARY(hotswap, m) {
         "bool float_out=False, int outputs=-1) -> Tensor");
   m.def("head_amx() -> bool");
   m.def("amx_built() -> bool");
-  m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("amx_pack(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None, bool gated=False) -> Tensor");
-  m.def("head_pack(Tensor weight) -> Tensor");
+  m.def("head_pack(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("head_logits(Tensor hidden, Tensor norm_weight, float eps, Tensor packed, int vocab) "
         "-> Tensor");
 }

@@ -36,14 +36,14 @@ constexpr int64_t HEAD_SPAN = 256;  // rows whose split parts stay in L2 while W
 // Whether this CPU and build run the head (and amx_linear) on AMX tiles.
 bool head_amx() { return amx_built() && at::native::cpublas::could_pack(at::kBFloat16); }
 
-at::Tensor head_pack(const at::Tensor& w) {
+at::Tensor head_pack(const at::Tensor& w, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(head_amx(), "head_pack needs AMX (cpublas::could_pack(bfloat16)) and amx_linear");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "weight [n, k] bfloat16 expected");
   const int64_t n = w.size(0), blocks = (n + HEAD_BLOCK - 1) / HEAD_BLOCK;
-  if (n == blocks * HEAD_BLOCK) return amx_pack(w);
+  if (n == blocks * HEAD_BLOCK) return amx_pack(w, out);
   auto padded = at::zeros({blocks * HEAD_BLOCK, w.size(1)}, w.options());
   padded.narrow(0, 0, n).copy_(w);
-  return amx_pack(padded);
+  return amx_pack(padded, out);
 }
 
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,

@@ -36,13 +36,13 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual);
 bool head_amx();
-at::Tensor head_pack(const at::Tensor& w);
+at::Tensor head_pack(const at::Tensor& w, const std::optional<at::Tensor>& out);
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                        const at::Tensor& packed, int64_t vocab);
 // bf16 matmuls on AMX tiles over a weight in amx_pack's layout (amx_linear.cpp); amx_built:
 // whether the compiler could build them. gated: W is [gate | up], the result silu(gate) * up.
 bool amx_built();
-at::Tensor amx_pack(const at::Tensor& w);
+at::Tensor amx_pack(const at::Tensor& w, const std::optional<at::Tensor>& out = std::nullopt);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias, bool gated);
 // The float32 head's matmul on AMX tiles (head.cpp): out [m, width] = scales[i] * (hi_i + lo_i)

@@ -4,6 +4,7 @@ through them against the same model stepped op by op."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import shutil
 import time
@@ -331,6 +332,33 @@ def test_gated_amx_linear_is_silu_times_up_of_the_float32_sums_rounded_once(n, k
             assert torch.equal(got[i], cpu_kernels.amx_linear(x[i:i + 1], packed, gated=True)[0])
         want = got if m > lin.SMALL_ROWS else cpu_kernels.silu_and_mul(proj(x))
         assert torch.equal(proj.silu_and_mul(x), want)
+
+
+@amx_only
+def test_amx_copies_side_by_side_in_huge_pages_equal_each_pack():
+    """amx_pack_all (a model's AMX copies, in one region kept across updates) and head_pack into
+    a region give amx_pack's and head_pack's bits, k off the 32-wide tile included (its padding
+    zeroed even where the region held other values), the copies side by side in order."""
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in
+               [(3072, 576), (64, 40), (576, 1536)]]
+    regions = {}
+    first = cpu_kernels.amx_pack_all(weights, regions)
+    region = regions["amx"]
+    region.fill_(7.0)  # the next update writes into the same memory
+    packs = cpu_kernels.amx_pack_all(weights, regions)
+    assert regions["amx"] is region and packs[0].data_ptr() == first[0].data_ptr()
+    for w, packed in zip(weights, packs):
+        assert torch.equal(packed, cpu_kernels.amx_pack(w))
+    assert packs[1].data_ptr() == packs[0].data_ptr() + packs[0].nbytes
+    assert packs[2].data_ptr() == packs[1].data_ptr() + packs[1].nbytes
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert packs[0].data_ptr() % cpu_kernels.HUGE_PAGE == 0
+    head = torch.randn(1000, 41, generator=g).bfloat16()  # rows padded to 32, k to 64
+    into = torch.full(cpu_kernels.amx_shape(head), 3.0, dtype=torch.bfloat16)
+    assert torch.equal(cpu_kernels.head_pack(head, into), cpu_kernels.head_pack(head))
+    with pytest.raises(RuntimeError, match="out: a contiguous"):
+        cpu_kernels.amx_pack(weights[1], torch.zeros(2, 32 * 32, dtype=torch.bfloat16))
 
 
 @amx_only
