@@ -114,7 +114,7 @@ struct Units {
   const at::BFloat16* bias;  // kRound: [n], or none
   const float* scales;       // kHead: [m]
   void* out;
-  int64_t width;  // kHead: out's columns
+  int64_t width;  // out's columns
 };
 
 AMX_TARGET inline __m512 bias_half(const at::BFloat16* bias) {
@@ -174,8 +174,7 @@ AMX_TARGET void amx_units(const Units& job, int64_t u0, int64_t u1) {
                                                                _mm512_load_ps(lo + 16))));
           continue;
         }
-        at::BFloat16* o = static_cast<at::BFloat16*>(job.out) +
-                          (r0 + i) * (gated ? job.n / 2 : job.n) + c0;
+        at::BFloat16* o = static_cast<at::BFloat16*>(job.out) + (r0 + i) * job.width + c0;
         if (gated) {
           silu_and_mul_row(sums, acc[1] + i * AMX_BLOCK, o, AMX_BLOCK);
           continue;
@@ -264,7 +263,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   }
   const Units job{a.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), m, n, kp,
                   gated ? Epilogue::kGated : Epilogue::kRound,
-                  b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, nullptr, out.data_ptr(), n};
+                  b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, nullptr, out.data_ptr(),
+                  out.size(1)};
   at::parallel_for(0, packed.size(0) / (gated ? 2 : 1), 1,
                    [&](int64_t u0, int64_t u1) { amx_units(job, u0, u1); });
 #endif
