@@ -5,7 +5,8 @@ python bench/profile_step.py [--dtype bfloat16] [--quantization int8] [--batch 6
 Runs `batch` chat prompts x `new` tokens (temperature 1, eos ignored) and profiles every step in
 the scheduler thread. Prints, for the prefill step and the mean decode step: matmuls, attention
 (scores, softmax, weighted sum), KV gather, KV store, norms/rotary/activations and other
-elementwise ops (bf16 on AMX: the SiLU-and-multiply inside the gate | up matmul), the lm_head,
+elementwise ops (bf16 on AMX: the SiLU-and-multiply inside the gate | up matmul; bf16 up to
+SMALL_ROWS rows: the norms and SiLU between a layer's matmuls, hotswap::small_layers), the lm_head,
 sampling, and the scheduler's own Python (step wall time minus the forward and the sampler).
 """
 
@@ -24,7 +25,7 @@ from hotswap.engine.models.fetch import ensure_model
 
 MATMUL = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
           "aten::matmul", "hotswap::small_linear", "hotswap::int8_linear", "aten::_int_mm",
-          "hotswap::blocked_linear", "hotswap::amx_linear"}
+          "hotswap::blocked_linear", "hotswap::amx_linear", "hotswap::small_layers"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
              "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::scaled_dot_product_attention", "hotswap::decode_attention"}

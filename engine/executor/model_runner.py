@@ -66,9 +66,11 @@ class ModelRunner:
             raise ValueError("max_total_tokens leaves fewer than two KV pages")
         route_shape = ((model_config.num_moe_layers, model_config.num_experts_per_tok)
                        if config.enable_return_routed_experts else None)
+        # On CPU the pool asks for 2 MiB pages: the attention's reads of a row's keys cross a
+        # page 512 times less often (docs/performance.md).
         self.kv_pool = KVPool(num_pages, page_size, model_config.num_layers,
                               model_config.num_kv_heads, model_config.head_dim, self.dtype,
-                              self.device, route_shape)
+                              self.device, route_shape, empty=cpu_kernels.huge_empty)
         self.allocator = TokenToKVPoolAllocator(num_pages, page_size)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 1,
                                                 config.context_length + 1, self.device)

@@ -6,6 +6,8 @@ reads point at it, so it must never hold NaN/Inf garbage. Usable pages are 1..nu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -16,8 +18,10 @@ class KVPool:
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 route_shape: tuple[int, int] | None = None):
+                 route_shape: tuple[int, int] | None = None,
+                 empty: Callable[..., torch.Tensor] = torch.empty):
         self.route_shape = route_shape
+        self.empty = empty  # empty(shape, dtype=, device=): each layer's K or V buffer
         self.routes: torch.Tensor | None = None  # [slots, moe_layers, top_k] int16
         self.num_pages = num_pages
         self.page_size = page_size
@@ -37,9 +41,9 @@ class KVPool:
     def allocate(self) -> None:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         # empty, not zeros: untouched pages of a large CPU pool stay non-resident.
-        self.k_buffers = [torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.k_buffers = [self.empty(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
-        self.v_buffers = [torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_buffers = [self.empty(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
         for buf in self.k_buffers + self.v_buffers:
             buf[: self.page_size].zero_()

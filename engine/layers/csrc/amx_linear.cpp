@@ -8,17 +8,26 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define HOTSWAP_AMX 1
-#include <immintrin.h>
+#include "amx.h"
+#include "ops.h"
+
+#ifdef HOTSWAP_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
-#include "ops.h"
-
 namespace hotswap {
+
+#ifdef HOTSWAP_AMX
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+#endif
+
 namespace {
 
 // W [n, k] is packed once (amx_pack) into blocks of AMX_BLOCK outputs, each the VNNI layout of
@@ -38,24 +47,6 @@ constexpr int64_t ROWS = 2 * TILE_ROWS;  // rows of x per pass over a block
 inline int64_t padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 #ifdef HOTSWAP_AMX
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands a thread the AMX tile state only once the process asks for it (oneDNN asks too;
-// asking again is harmless).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-
 // Lines a thread asks for into L2 while it multiplies a unit: the next unit's blocks, one or two
 // (not adjacent when gated), spread evenly over the unit's tile products.
 struct NextLines {

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -160,29 +163,85 @@ inline __m128 key_scores4(const at::BFloat16* q, const at::BFloat16* const* k, f
 #endif
 
 
-// out[g] = (sum_j w[g, j] * v_j) / sum_g for G query heads (w: their [G, len] scores; stats:
-// their [max, sum] pairs): each value row read and widened once for all G heads, whose G * D /
-// 16 accumulators stay in registers.
+// out[g] = (sum_j w[g, j] * v_j) / sum_g for G query heads (w[g, j] at w[g * wg + j * wj]: their
+// weights; stats: their [max, sum] pairs): each value row read and widened once for all G
+// heads, whose G * D / 16 accumulators stay in registers. A bf16 row is read 32 values a load
+// and widened without a shuffle: its even values by a shift, its odd ones by a mask, so
+// acc[g][2c] holds dims 32c, 32c + 2, ... and acc[g][2c + 1] dims 32c + 1, 32c + 3, ...,
+// interleaved back at the end (the same sums; 3-7% less time a task than widening 16 values a
+// load, docs/performance.md).
 template <int64_t D, int64_t G, typename T, typename O>
 inline void weigh_values(const float* w, int64_t len, const T* v_buf, const int64_t* slots,
-                         int64_t hkv, int64_t h, const float* stats, O* out) {
+                         int64_t hkv, int64_t h, const float* stats, O* out, int64_t wg,
+                         int64_t wj) {
   constexpr int64_t C = D / 16;
+  constexpr bool pairs = std::is_same_v<T, at::BFloat16>;
   __m512 acc[G][C];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  const __m512i odd = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   for (int64_t j = 0; j < len; ++j) {
     if (j + KEYS_AHEAD < len) prefetch_head(v_buf, slots[j + KEYS_AHEAD], hkv, h, D);
     const T* v = v_buf + (slots[j] * hkv + h) * D;
     __m512 vf[C];
-    for (int64_t c = 0; c < C; ++c) vf[c] = load16(v + 16 * c);
+    if constexpr (pairs) {
+      for (int64_t c = 0; c < C; c += 2) {
+        const __m512i raw = _mm512_loadu_si512(v + 16 * c);
+        vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        vf[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd));
+      }
+    } else {
+      for (int64_t c = 0; c < C; ++c) vf[c] = load16(v + 16 * c);
+    }
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(w[g * len + j]);
+      const __m512 p = _mm512_set1_ps(w[g * wg + j * wj]);
       for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
     }
   }
+  // Lanes 0-15 of (even, odd) interleaved, then lanes 16-31.
+  const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                        24, 8);
   for (int64_t g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / stats[2 * g + 1]);
-    for (int64_t c = 0; c < C; ++c) store16(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    for (int64_t c = 0; c < C; c += pairs ? 2 : 1) {
+      const __m512 a = _mm512_mul_ps(acc[g][c], inv);
+      if constexpr (pairs) {
+        const __m512 b = _mm512_mul_ps(acc[g][c + 1], inv);
+        store16(out + g * D + 16 * c, _mm512_permutex2var_ps(a, low, b));
+        store16(out + g * D + 16 * c + 16, _mm512_permutex2var_ps(a, high, b));
+      } else {
+        store16(out + g * D + 16 * c, a);
+      }
+    }
+  }
+}
+
+// weigh_values for every query head of the group, 256 / D heads a pass (their accumulators in
+// registers); w[g, j] at w[g * len + j] (wj = 1) or w[j * wj + g] (key-major, wj = gp).
+template <int64_t D, typename T, typename O>
+inline void weigh_groups(const float* w, int64_t len, int64_t wj, const T* v_buf,
+                         const int64_t* slots, int64_t hkv, int64_t h, int64_t group,
+                         const float* stats, O* out) {
+  constexpr int64_t GMAX = 256 / D;
+  const int64_t wg = wj == 1 ? len : 1;
+  for (int64_t g0 = 0; g0 < group; g0 += GMAX) {
+    const int64_t gc = std::min(GMAX, group - g0);
+    const float* wp = w + g0 * wg;
+    const float* sums = stats + 2 * g0;
+    O* o = out + g0 * D;
+    if constexpr (GMAX == 4) {
+      switch (gc) {
+        case 1: weigh_values<D, 1>(wp, len, v_buf, slots, hkv, h, sums, o, wg, wj); break;
+        case 2: weigh_values<D, 2>(wp, len, v_buf, slots, hkv, h, sums, o, wg, wj); break;
+        case 3: weigh_values<D, 3>(wp, len, v_buf, slots, hkv, h, sums, o, wg, wj); break;
+        default: weigh_values<D, 4>(wp, len, v_buf, slots, hkv, h, sums, o, wg, wj); break;
+      }
+    } else if (gc == 1) {
+      weigh_values<D, 1>(wp, len, v_buf, slots, hkv, h, sums, o, wg, wj);
+    } else {
+      weigh_values<D, 2>(wp, len, v_buf, slots, hkv, h, sums, o, wg, wj);
+    }
   }
 }
 
@@ -203,26 +262,153 @@ void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* sl
     for (int64_t g = 0; g < group; ++g)
       _mm_mask_storeu_ps(scores + g * len + j, keep, key_scores4<D>(q + g * D, k, scale));
   }
-  constexpr int64_t GMAX = 256 / D;
-  for (int64_t g0 = 0; g0 < group; g0 += GMAX) {
-    const int64_t gc = std::min(GMAX, group - g0);
+  for (int64_t g0 = 0; g0 < group; g0 += 256 / D) {
+    const int64_t gc = std::min(256 / D, group - g0);
     for (int64_t g = g0; g < g0 + gc; ++g) exp_weights(scores + g * len, len, stats + 2 * g);
-    const float* w = scores + g0 * len;
-    const float* sums = stats + 2 * g0;
-    O* o = out + g0 * D;
-    if constexpr (GMAX == 4) {
-      switch (gc) {
-        case 1: weigh_values<D, 1>(w, len, v_buf, slots, hkv, h, sums, o); break;
-        case 2: weigh_values<D, 2>(w, len, v_buf, slots, hkv, h, sums, o); break;
-        case 3: weigh_values<D, 3>(w, len, v_buf, slots, hkv, h, sums, o); break;
-        default: weigh_values<D, 4>(w, len, v_buf, slots, hkv, h, sums, o); break;
-      }
-    } else if (gc == 1) {
-      weigh_values<D, 1>(w, len, v_buf, slots, hkv, h, sums, o);
-    } else {
-      weigh_values<D, 2>(w, len, v_buf, slots, hkv, h, sums, o);
-    }
   }
+  weigh_groups<D>(scores, len, 1, v_buf, slots, hkv, h, group, stats, out);
+}
+#endif
+
+#if defined(HOTSWAP_AMX) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
+#define ATTEND_AMX 1
+// The attention of one (chunk, kv head) pair for a bf16 pool on a CPU with AMX (tiles as
+// attention_tiles configures them): the scores of 16 keys at a time as one tile product per 32
+// dims, C [16 keys, gp] = K [16 keys, 32] @ Q.T (B: the group's query pairs, loaded once a
+// task), no sum across lanes; then exp_weights_amx, and weigh_values as attend_avx512. The
+// keys' rows are the A tile, read where they lie when the 16 slots are consecutive (a prompt's)
+// and copied side by side first otherwise; a task whose keys mostly are not (a decode's) runs
+// attend_avx512 instead. `scores` holds the weights key-major, [len rounded up to 16, gp] for gp the group
+// rounded up to a power of two (<= 16). The same exact bf16 products as attend_avx512's, summed
+// in AMX's order; the scores took 22 -> 9-11 cycles a key and kv head (docs/performance.md).
+constexpr int64_t AMX_KEYS = 16, AMX_MIN_KEYS = 64;
+
+inline int64_t group_lanes(int64_t group) {
+  int64_t gp = 1;
+  while (gp < group) gp *= 2;
+  return gp;
+}
+
+// s [len, gp] (key-major) * scale -> exp(s - max) per query head, in place; stats[2g, 2g + 1] <-
+// head g's [max, sum of the exps]. Lane l of every 16 holds head l % gp.
+inline void exp_weights_amx(float* s, int64_t len, int64_t gp, int64_t group, float scale,
+                            float* stats) {
+  const int64_t total = len * gp, full = total / 16 * 16;
+  const __mmask16 tail = __mmask16((1u << (total - full)) - 1);
+  // max(s * scale) = max(s) * scale, both rounded once: the scaled scores are not stored.
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + full));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  for (int64_t l = gp; l < 16; ++l) lanes[l % gp] = std::max(lanes[l % gp], lanes[l]);
+  for (int64_t l = 0; l < gp; ++l) lanes[l] *= scale;
+  for (int64_t l = gp; l < 16; ++l) lanes[l] = lanes[l % gp];
+  const __m512 mx = _mm512_load_ps(lanes);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 w = fast_exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), sc), mx));
+    _mm512_storeu_ps(s + j, w);
+    sum = _mm512_add_ps(sum, w);
+  }
+  const __m512 w = fast_exp16(
+      _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), sc), mx));
+  _mm512_mask_storeu_ps(s + full, tail, w);
+  sum = _mm512_mask_add_ps(sum, tail, sum, w);
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum);
+  for (int64_t l = gp; l < 16; ++l) sums[l % gp] += sums[l];
+  for (int64_t g = 0; g < group; ++g) stats[2 * g] = lanes[g], stats[2 * g + 1] = sums[g];
+}
+
+// Whether slots s[0:16] run consecutively (s[i] == s[0] + i), as a prompt's do.
+inline bool consecutive16(const int64_t* s) {
+  const __m512i lo = _mm512_add_epi64(_mm512_set1_epi64(s[0]),
+                                      _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i hi = _mm512_add_epi64(lo, _mm512_set1_epi64(8));
+  return (_mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s), lo) &
+          _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s + 8), hi)) == 0xFF;
+}
+
+// Whether a call's tasks take attend_amx: a bf16 pool, head size 64 or 128, at most 16 query
+// heads a kv head, and AMX granted.
+inline bool amx_attends(bool bf16, int64_t d, int64_t group) {
+  return bf16 && (d == 64 || d == 128) && group <= 16 && amx_permitted();
+}
+
+// The tiles attend_amx uses, configured once for all of a thread's tasks in a call (per task it
+// cost ~250 cycles): C 0 [16 keys, gp] float32, A 1 [16 keys, 32 dims], B 2 to 2 + d / 32 - 1
+// [16 pairs, gp].
+AMX_TARGET inline void attention_tiles(int64_t group, int64_t d) {
+  const uint16_t cols = uint16_t(group_lanes(group) * 4);
+  TileConfig cfg;
+  cfg.rows[0] = AMX_KEYS, cfg.colsb[0] = cols;
+  cfg.rows[1] = AMX_KEYS, cfg.colsb[1] = 64;
+  for (int64_t t = 2; t < 2 + d / 32; ++t) cfg.rows[t] = 16, cfg.colsb[t] = cols;
+  _tile_loadconfig(&cfg);
+}
+
+template <int64_t D, typename O>
+AMX_TARGET void attend_amx(const at::BFloat16* q, const at::BFloat16* k_buf,
+                           const at::BFloat16* v_buf, const int64_t* slots, int64_t len,
+                           int64_t h, int64_t hkv, int64_t group, int64_t, float scale, O* out,
+                           float* stats, float*, float* rows, float* scores, float*) {
+  // Mostly scattered keys (a decode's) take attend_avx512, where the copies cost what the tiles
+  // save, and so do fewer than AMX_MIN_KEYS, where the task's fixed costs do
+  // (docs/performance.md).
+  int64_t runs = 0;
+  for (int64_t j0 = 0; j0 + AMX_KEYS <= len; j0 += AMX_KEYS) runs += consecutive16(slots + j0);
+  if (2 * runs * AMX_KEYS < len || len < AMX_MIN_KEYS)
+    return attend_avx512<D, at::BFloat16, O>(q, k_buf, v_buf, slots, len, h, hkv, group, 0,
+                                             scale, out, stats, nullptr, rows, scores, nullptr);
+  constexpr int64_t S = D / 32;  // tile products a block of keys (32 dims each)
+  const int64_t gp = group_lanes(group);
+  // B_t [16 pairs, gp]: query head g's dims 32t + 2p, 32t + 2p + 1 (zero past the group).
+  alignas(64) uint32_t b[S][16][16] = {};
+  for (int64_t t = 0; t < S; ++t)
+    for (int64_t p = 0; p < 16; ++p)
+      for (int64_t g = 0; g < group; ++g)
+        std::memcpy(&b[t][p][g], q + g * D + 32 * t + 2 * p, 4);
+  _tile_loadd(2, b[0], 64);  // tile numbers are immediates
+  _tile_loadd(3, b[1], 64);
+  if constexpr (S > 2) {
+    _tile_loadd(4, b[2], 64);
+    _tile_loadd(5, b[3], 64);
+  }
+  at::BFloat16* side = reinterpret_cast<at::BFloat16*>(rows);  // [16, D]: copied keys
+  for (int64_t j0 = 0; j0 < len; j0 += AMX_KEYS) {
+    for (int64_t r = j0 + KEYS_AHEAD; r < std::min(j0 + KEYS_AHEAD + AMX_KEYS, len); ++r)
+      prefetch_head(k_buf, slots[r], hkv, h, D);
+    const int64_t n = std::min(AMX_KEYS, len - j0);
+    const bool runs = n == AMX_KEYS && consecutive16(slots + j0);
+    const at::BFloat16* a = k_buf + (slots[j0] * hkv + h) * D;
+    int64_t a_stride = hkv * D * 2;
+    if (!runs) {  // copied; past the row's end its last key again, whose scores are not read
+      for (int64_t i = 0; i < AMX_KEYS; ++i) {
+        const at::BFloat16* key = k_buf + (slots[j0 + std::min(i, n - 1)] * hkv + h) * D;
+        for (int64_t c = 0; c < D; c += 32)
+          _mm512_storeu_si512(side + i * D + c, _mm512_loadu_si512(key + c));
+      }
+      a = side;
+      a_stride = D * 2;
+    }
+    _tile_zero(0);
+    _tile_loadd(1, a, a_stride);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, a + 32, a_stride);
+    _tile_dpbf16ps(0, 1, 3);
+    if constexpr (S > 2) {
+      _tile_loadd(1, a + 64, a_stride);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(1, a + 96, a_stride);
+      _tile_dpbf16ps(0, 1, 5);
+    }
+    _tile_stored(0, scores + j0 * gp, gp * 4);
+  }
+  exp_weights_amx(scores, len, gp, group, scale, stats);
+  weigh_groups<D>(scores, len, gp, v_buf, slots, hkv, h, group, stats, out);
 }
 #endif
 
@@ -322,7 +508,12 @@ void attend_avx2(const T* q, const T* k_buf, const T* v_buf, const int64_t* slot
 #endif
 
 template <typename T, typename O>
-AttendFn<T, O> attend_for(int64_t d) {
+AttendFn<T, O> attend_for(int64_t d, int64_t group) {
+#ifdef ATTEND_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (amx_attends(true, d, group)) return d == 64 ? attend_amx<64, O> : attend_amx<128, O>;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   if (d == 64) return attend_avx2<64, T, O>;
   if (d == 128) return attend_avx2<128, T, O>;
@@ -408,10 +599,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     // for the threads, else a (chunk, kv head) pair.
     const int64_t splits = chunks >= 4 * at::get_num_threads() ? 1 : hkv, heads = hkv / splits;
     at::parallel_for(0, chunks * splits, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * d), block(KEY_BLOCK * d),
-          scores(group * std::min(CHUNK, max_len)), acc(group * d), own(group * 2);
-      const AttendFn<scalar_t, scalar_t> whole = attend_for<scalar_t, scalar_t>(d);
-      const AttendFn<scalar_t, float> partial = attend_for<scalar_t, float>(d);
+      std::vector<float> qf(group * d), block(KEY_BLOCK * d), acc(group * d), own(group * 2);
+      // [group, len], or key-major [len rounded up to 16, group rounded up to a power of two]
+      // (attend_amx); not zeroed: every score is written before it is read.
+      const std::unique_ptr<float[]> scores(
+          new float[2 * group * (std::min(CHUNK, max_len) + 32)]);
+      const AttendFn<scalar_t, scalar_t> whole = attend_for<scalar_t, scalar_t>(d, group);
+      const AttendFn<scalar_t, float> partial = attend_for<scalar_t, float>(d, group);
+#ifdef ATTEND_AMX
+      const bool tiles = amx_attends(std::is_same_v<scalar_t, at::BFloat16>, d, group);
+      if (tiles) attention_tiles(group, d);
+#endif
       for (int64_t t = begin; t < end; ++t) {
         const int64_t c = t / splits, i = row_of[c], h0 = t % splits * heads;
         const int64_t j0 = (c - first[i]) * CHUNK, len = std::min(CHUNK, lens[i] - j0);
@@ -422,13 +620,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
           if (first[i + 1] - first[i] == 1)
             whole(qh, kp, vp, slots, len, h, hkv, group, d, fscale,
                   op + i * q.size(1) + h * group * d, own.data(), qf.data(), block.data(),
-                  scores.data(), acc.data());
+                  scores.get(), acc.data());
           else
             partial(qh, kp, vp, slots, len, h, hkv, group, d, fscale,
                     pp + (c * hq + h * group) * d, sp + (c * hq + h * group) * 2, qf.data(),
-                    block.data(), scores.data(), acc.data());
+                    block.data(), scores.get(), acc.data());
         }
       }
+#ifdef ATTEND_AMX
+      if (tiles) _tile_release();
+#endif
     });
     if (!joins) return;
     // Each chunk's outputs weighed by its softmax sum relative to the row's largest score.

@@ -40,6 +40,9 @@ struct DecodeLayers : torch::CustomClassHolder {
   std::vector<LayerWeights> layers;
   double eps;
   int64_t path, num_heads;
+  // Every layer on PATH_SMALL, of one shape, its tensors dense bf16: the step may run with the
+  // threads kept together (decode_layer.cpp's forward_small).
+  bool small_uniform = false;
 };
 
 }  // namespace hotswap

@@ -12,6 +12,16 @@
 
 namespace hotswap {
 
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, T* out, int64_t h, double eps) {
+  const float r = inv_rms(x, h, eps);
+#pragma omp simd
+  for (int64_t j = 0; j < h; ++j) out[j] = narrow<T>(widen(x[j]) * r * widen(weight[j]));
+}
+template void rms_norm_row(const float*, const float*, float*, int64_t, double);
+template void rms_norm_row(const at::BFloat16*, const at::BFloat16*, at::BFloat16*, int64_t,
+                           double);
+
 // RMSNorm of each row of x [T, H] times weight [H] (same dtype): float32 arithmetic, one
 // rounding at the end, as F.rms_norm computes it in ~30 ops. With a residual [T, H] (x dense),
 // x += residual first, in place and rounded to x's dtype as x.add_(residual) rounds it, and the
@@ -44,10 +54,7 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
 #pragma omp simd
           for (int64_t j = 0; j < h; ++j) row[j] = narrow<scalar_t>(widen(row[j]) + widen(r[j]));
         }
-        const float r = inv_rms(row, h, eps);
-        scalar_t* o = op + i * h;
-#pragma omp simd
-        for (int64_t j = 0; j < h; ++j) o[j] = narrow<scalar_t>(widen(row[j]) * r * widen(wp[j]));
+        rms_norm_row(row, wp, op + i * h, h, eps);
       }
     });
   });

@@ -23,6 +23,9 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
                          const at::Tensor* residual);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// One row of rms_norm: out [h] = RMSNorm(x [h]) * weight, on the calling thread.
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, T* out, int64_t h, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 // One row of silu_and_mul: o[j] = silu(g[j]) * u[j] for j < n (T, Out: float or at::BFloat16,
 // float -> at::BFloat16 for amx_linear's gated sums).
@@ -32,6 +35,15 @@ void silu_and_mul_row(const T* g, const T* u, Out* o, int64_t n);
 // before the rounding to x's dtype (moe.cpp runs one expert per thread on it).
 void small_linear_sums(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t m,
                        int64_t k, int64_t n);
+// Outputs [n0, n1) of small_linear(x, w, bias, residual) for x [m, k] (T: float or bf16), out
+// and residual [m, n], on the calling thread: the same sums and rounding whichever rows a
+// thread takes. xf: x widened to float32, which small_x_widened(T, k) says the sums read
+// instead of x; acc: [m, n] float32 scratch.
+template <typename T>
+void small_linear_part(const T* x, const float* xf, const at::BFloat16* w, const T* bias,
+                       const T* residual, T* out, float* acc, int64_t m, int64_t k, int64_t n,
+                       int64_t n0, int64_t n1);
+bool small_x_widened(at::ScalarType dtype, int64_t k);
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual);

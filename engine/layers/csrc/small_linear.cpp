@@ -180,6 +180,41 @@ void small_linear_sums(const at::BFloat16* x, const at::BFloat16* w, float* out,
   small_linear_rows(xf.data(), w, out, m, k, 0, n, n);
 }
 
+bool small_x_widened(at::ScalarType dtype, int64_t k) {
+#if defined(__AVX512BF16__)
+  return !(dtype == at::kBFloat16 && k % 32 == 0);
+#else
+  return true;
+#endif
+}
+
+template <typename T>
+void small_linear_part(const T* x, const float* xf, const at::BFloat16* w, const T* bias,
+                       const T* residual, T* out, float* acc, int64_t m, int64_t k, int64_t n,
+                       int64_t n0, int64_t n1) {
+  if (xf) {
+    small_linear_rows(xf, w, acc, m, k, n0, n1, n);
+  } else {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      small_linear_rows_bf16(x, w, acc, m, k, n0, n1, n);
+#endif
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const float* a = acc + i * n;
+    const T* r = residual ? residual + i * n : nullptr;
+    T* o = out + i * n;
+    for (int64_t j = n0; j < n1; ++j)
+      o[j] = narrow<T>(a[j] + (bias ? widen(bias[j]) : 0.f) + (r ? widen(r[j]) : 0.f));
+  }
+}
+template void small_linear_part(const float*, const float*, const at::BFloat16*, const float*,
+                                const float*, float*, float*, int64_t, int64_t, int64_t, int64_t,
+                                int64_t);
+template void small_linear_part(const at::BFloat16*, const float*, const at::BFloat16*,
+                                const at::BFloat16*, const at::BFloat16*, at::BFloat16*, float*,
+                                int64_t, int64_t, int64_t, int64_t, int64_t);
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual) {
@@ -199,35 +234,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight,
     using T = decltype(zero);
     auto xc = x.contiguous();
     const T* xp = xc.data_ptr<T>();
-#if defined(__AVX512BF16__)
-    const bool bf16_x = std::is_same_v<T, at::BFloat16> && k % 32 == 0;
-#else
-    constexpr bool bf16_x = false;
-#endif
-    std::vector<float> xf(bf16_x ? 0 : m * k), acc(m * n);
+    std::vector<float> xf(small_x_widened(dtype, k) ? m * k : 0), acc(m * n);
     for (int64_t i = 0; i < int64_t(xf.size()); ++i) xf[i] = widen(xp[i]);
     at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
     at::Tensor rc = residual ? residual->contiguous() : at::Tensor();
     const T* bp = bias ? bc.data_ptr<T>() : nullptr;
     const T* rp = residual ? rc.data_ptr<T>() : nullptr;
-    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-    T* op = out.data_ptr<T>();
-    auto rows = [&](int64_t n0, int64_t n1) {
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>)
-        if (bf16_x) return small_linear_rows_bf16(xp, wp, acc.data(), m, k, n0, n1, n);
-#endif
-      small_linear_rows(xf.data(), wp, acc.data(), m, k, n0, n1, n);
-    };
     at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-      rows(n0, n1);
-      for (int64_t i = 0; i < m; ++i) {
-        const float* a = acc.data() + i * n;
-        const T* r = rp ? rp + i * n : nullptr;
-        T* o = op + i * n;
-        for (int64_t j = n0; j < n1; ++j)
-          o[j] = narrow<T>(a[j] + (bp ? widen(bp[j]) : 0.f) + (r ? widen(r[j]) : 0.f));
-      }
+      small_linear_part(xp, xf.empty() ? nullptr : xf.data(), weight.data_ptr<at::BFloat16>(),
+                        bp, rp, out.data_ptr<T>(), acc.data(), m, k, n, n0, n1);
     });
   });
   return out;

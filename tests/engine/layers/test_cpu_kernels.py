@@ -55,17 +55,37 @@ def reference_attention(q, k_buf, v_buf, table, req_idx, seq_lens, scale):
     return torch.stack(out)
 
 
+def slot_table(rows: int, width: int, slots: int, layout: str, g: torch.Generator
+               ) -> torch.Tensor:
+    """Each row's KV slots: scattered (a decode's, its batch-mates' steps between them) or in
+    runs of 8 to 200 consecutive slots (prompts'; on AMX a row of mostly whole runs of 16 keys
+    has them read where they lie, the rest copied)."""
+    if layout == "scattered":
+        return torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1
+                            for _ in range(rows)])
+    table = []
+    for _ in range(rows):
+        runs, n = [], 0
+        while n < width:
+            run = int(torch.randint(8, 201, (1,), generator=g))
+            start = int(torch.randint(1, slots - run, (1,), generator=g))
+            runs.append(torch.arange(start, start + run))
+            n += run
+        table.append(torch.cat(runs)[:width])
+    return torch.stack(table)
+
+
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 7), (16, 1), (48, 2)])
-def test_decode_attention_matches_reference(dtype, head_dim, group):
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 7), (64, 16), (16, 1), (48, 2)])
+def test_decode_attention_matches_reference(dtype, head_dim, group, layout):
     g = torch.Generator().manual_seed(head_dim + group)
     hkv, slots, width = 2, 4000, 700
     k_buf = torch.randn(slots, hkv, head_dim, generator=g).to(dtype)
     v_buf = torch.randn(slots, hkv, head_dim, generator=g).to(dtype)
     # Few rows run a task per (row, kv head), many (>= 4 per thread) a task per row.
     rows = 4 * torch.get_num_threads() + 1
-    table = torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1
-                         for _ in range(rows)])
+    table = slot_table(rows, width, slots, layout, g)
     req_idx = torch.randperm(rows, generator=g)
     # one key, block edges, the full row
     seq_lens = torch.tensor([1, 31, 33, 700, 129] + [3 * i + 1 for i in range(rows - 5)])
@@ -91,15 +111,16 @@ def test_decode_attention_rows_do_not_depend_on_batch_mates():
         assert torch.equal(alone[0], batch[i])
 
 
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_decode_attention_joins_the_chunks_of_long_rows(dtype):
+def test_decode_attention_joins_the_chunks_of_long_rows(dtype, layout):
     """Rows longer than a chunk (1,024 keys) are attended a chunk per task and joined by their
     softmax sums: the same output as one softmax over all keys, for one row alone (chunk and
     kv head tasks) and beside short ones, and a row's bits never depend on its batch-mates."""
     g = torch.Generator().manual_seed(4)
     slots, width = 6000, 2600
     k_buf, v_buf = torch.randn(2, slots, 3, 64, generator=g).to(dtype)
-    table = torch.stack([torch.randperm(slots - 1, generator=g)[:width] + 1 for _ in range(5)])
+    table = slot_table(5, width, slots, layout, g)
     q = torch.randn(5, 9 * 64, generator=g).to(dtype)
     lens = torch.tensor([2600, 1024, 1025, 7, 2049])
     batch = cpu_kernels.decode_attention(q, k_buf, v_buf, table, torch.arange(5), lens, 0.125)
@@ -434,6 +455,60 @@ def test_model_through_kernels_equals_op_by_op(tiny_model_path, monkeypatch, dty
     # the short prefill and four decode-only steps, all layers in one call each; without the
     # AMX limit the two steps with rows past 128 keys too
     assert len(calls) == (0 if fused.model_config.qk_norm else 5 if limit < 150 else 7)
+
+
+def _team_equals_layer_by_layer(path: str, rows: int) -> None:
+    from hotswap.engine.layers import linear as lin
+
+    runner = _runner(path, "bfloat16")
+    if runner.model_config.qk_norm:
+        pytest.skip("Qwen3's q/k norms keep the layer-by-layer path")
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    x = torch.zeros(rows, qkv.weight.shape[1], dtype=torch.bfloat16)
+    if lin.matmul_path(x, qkv.weight, qkv.bias, x, qkv.quant, qkv.blocked,
+                       qkv.packed) != lin.SMALL:
+        pytest.skip("few bf16 rows take small_linear only with AVX512-BF16 (else the blocked "
+                    "kernel, layer by layer)")
+    seqs = [Seq(runner, [(11 * r + 3 * j) % 256 for j in range(60)]) for r in range(rows)]
+    run_step(runner, [(s, 20 + 9 * i) for i, s in enumerate(seqs)])
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(3):  # three decode steps, each under 1, 2 and 4 threads
+            start = [(s.computed, s.last_loc) for s in seqs]
+            logits, teams = {}, {}
+            for n in (1, 2, 4):
+                for s, (computed, last) in zip(seqs, start):
+                    s.computed, s.last_loc = computed, last
+                torch.set_num_threads(n)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                    logits[n] = torch.stack(run_step(runner, [(s, 1) for s in seqs],
+                                                     all_logits=False))
+                teams[n] = sum(e.name == "hotswap::small_layers" for e in p.events())
+            layers = runner.model_config.num_layers
+            assert teams == {1: 0, 2: layers + 1, 4: layers + 1}
+            assert torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[4])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_bf16_decode_with_the_threads_as_a_team_equals_the_layer_by_layer_step(tiny_model_path,
+                                                                              rows):
+    """A bf16 decode-only step of up to SMALL_ROWS rows keeps the threads in one region a layer
+    (hotswap::small_layers): with 2 and 4 threads (more than this machine's cores: the waits
+    must still move on) its logits equal bit for bit those of the same step with 1 thread, where
+    each layer's ops run one by one (decode_layer). Each step is run again on the same tokens."""
+    _team_equals_layer_by_layer(tiny_model_path, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_team_widens_x_where_k_is_not_a_multiple_of_32(tmp_path, rows):
+    """Widths off AVX512-BF16's 32 (hidden 48, intermediate 80) take small_linear's float32 x,
+    which each thread of the team widens for itself: still the op-by-op layer's bits."""
+    from conftest import write_tiny_model
+
+    _team_equals_layer_by_layer(write_tiny_model(str(tmp_path), "llama", hidden_size=48,
+                                                 intermediate_size=80), rows)
 
 
 @pytest.mark.parametrize("amx", [False, True])
