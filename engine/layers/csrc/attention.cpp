@@ -262,10 +262,7 @@ void attend_avx512(const T* q, const T* k_buf, const T* v_buf, const int64_t* sl
     for (int64_t g = 0; g < group; ++g)
       _mm_mask_storeu_ps(scores + g * len + j, keep, key_scores4<D>(q + g * D, k, scale));
   }
-  for (int64_t g0 = 0; g0 < group; g0 += 256 / D) {
-    const int64_t gc = std::min(256 / D, group - g0);
-    for (int64_t g = g0; g < g0 + gc; ++g) exp_weights(scores + g * len, len, stats + 2 * g);
-  }
+  for (int64_t g = 0; g < group; ++g) exp_weights(scores + g * len, len, stats + 2 * g);
   weigh_groups<D>(scores, len, 1, v_buf, slots, hkv, h, group, stats, out);
 }
 #endif

@@ -85,6 +85,22 @@ struct Step {
   double scale;
 };
 
+// A layer's attention from its qkv output: rotary on q and k in place, k and v stored at the
+// step's slots, then decode_attention of q; each part under its profiler scope.
+at::Tensor attend(const at::Tensor& qkv, int64_t heads, const Step& step, const at::Tensor& k_buf,
+                  const at::Tensor& v_buf) {
+  const int64_t hkv = k_buf.size(1), d = k_buf.size(2), q_size = heads * d;
+  scoped("hotswap::rotary_", [&] {
+    return rotary_(qkv.slice(1, 0, q_size + hkv * d).view({-1, heads + hkv, d}), step.cos,
+                   step.sin);
+  });
+  scoped("hotswap::store_kv", [&] { store_kv(qkv, q_size, k_buf, v_buf, step.loc); });
+  return scoped("hotswap::decode_attention", [&] {
+    return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, step.req_to_token,
+                            step.req_idx, step.seq_lens, step.scale);
+  });
+}
+
 // One Llama decoder layer for a decode-only batch (one new token per row), the same ops as
 // models/llama.py runs one by one from Python: norm, qkv, rotary, KV store, attention, o_proj
 // + residual, norm, gate_up, SiLU-and-multiply, down + residual. The layer's input is
@@ -95,8 +111,7 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
                                                const LayerWeights& w, const DecodeLayers& stack,
                                                const Step& step, const at::Tensor& k_buf,
                                                const at::Tensor& v_buf) {
-  const int64_t hkv = k_buf.size(1), d = k_buf.size(2), heads = stack.num_heads;
-  const int64_t q_size = heads * d, kv_size = hkv * d, path = stack.path;
+  const int64_t heads = stack.num_heads, path = stack.path;
   // Paths whose kernel adds the residual to its float32 sums (one rounding in bf16).
   const bool small = path == PATH_SMALL || path == PATH_INT8 || path == PATH_BLOCKED;
   // The parts other than the matmuls (aten ops, seen already) under their ops' names.
@@ -105,15 +120,7 @@ std::pair<at::Tensor, at::Tensor> decode_layer(at::Tensor x, const at::Tensor* p
   };
   auto qkv = path_linear(norm(x, w.input_norm, pending), w.qkv, w.qkv_bias, nullptr, path,
                     w.qkv_quant);
-  scoped("hotswap::rotary_", [&] {
-    return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, heads + hkv, d}), step.cos,
-                   step.sin);
-  });
-  scoped("hotswap::store_kv", [&] { store_kv(qkv, q_size, k_buf, v_buf, step.loc); });
-  auto o = scoped("hotswap::decode_attention", [&] {
-    return decode_attention(qkv.slice(1, 0, q_size), k_buf, v_buf, step.req_to_token,
-                            step.req_idx, step.seq_lens, step.scale);
-  });
+  const auto o = attend(qkv, heads, step, k_buf, v_buf);
   auto h = path_linear(o, w.o, std::nullopt, small ? &x : nullptr, path, w.o_quant);
   const auto normed = norm(h, w.post_norm, small ? nullptr : &x);
   // On AMX the SiLU-and-multiply is the gate | up matmul's epilogue where each half is whole
@@ -211,8 +218,7 @@ at::Tensor forward_small(const DecodeLayers& stack, const at::Tensor& x0,
   const double eps = stack.eps;
   const auto& first = layers.front();
   const int64_t m = x0.size(0), hidden = x0.size(1), qkv_n = first.qkv.size(0);
-  const int64_t inter = first.gate_up.size(0) / 2, hkv = k_bufs[0].size(1), d = k_bufs[0].size(2);
-  const int64_t q_size = num_heads * d, kv_size = hkv * d;
+  const int64_t inter = first.gate_up.size(0) / 2, q_size = num_heads * k_bufs[0].size(2);
   // Each thread's x widened to float32 where small_linear's sums read that (k off 32 or no
   // AVX512-BF16): k is hidden, q_size (o_proj) or inter (down).
   const int64_t widest_k = std::max({hidden, inter, q_size});
@@ -263,15 +269,7 @@ at::Tensor forward_small(const DecodeLayers& stack, const at::Tensor& x0,
     const auto& w = layers[l];
     const at::Tensor& x = l == 0 ? x0c : xs[(l + 1) % 2];
     at::Tensor& out = xs[l % 2];
-    scoped("hotswap::rotary_", [&] {
-      return rotary_(qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads + hkv, d}), step.cos,
-                     step.sin);
-    });
-    scoped("hotswap::store_kv", [&] { store_kv(qkv, q_size, k_bufs[l], v_bufs[l], step.loc); });
-    const auto o = scoped("hotswap::decode_attention", [&] {
-      return decode_attention(qkv.slice(1, 0, q_size), k_bufs[l], v_bufs[l], step.req_to_token,
-                              step.req_idx, step.seq_lens, step.scale);
-    });
+    const auto o = attend(qkv, num_heads, step, k_bufs[l], v_bufs[l]);
     const LayerWeights* next = l + 1 < layers.size() ? &layers[l + 1] : nullptr;
     scoped("hotswap::small_layers", [&] {
       in_team([&](int64_t rank, int64_t members, Team& team) {
